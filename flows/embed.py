@@ -1,0 +1,145 @@
+"""The `embed` flow: input rows in, validated per-layer embeddings in the store out.
+
+ingest -> normalise/dedup -> register extraction -> plan -> per batch: extract -> validate -> publish
+-> validate store. Only work the store lacks is planned, so a rerun over unchanged inputs starts no engine.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from layertap import engine_cache
+from layertap.settings import Settings, load_settings
+from tasks import (
+    extract_batch,
+    ingest,
+    normalise,
+    plan,
+    publish_batch,
+    register_extraction,
+    validate_batch,
+    validate_store,
+)
+
+
+def resolve_model(settings: Settings) -> str:
+    """The model folder to use; without one, the embedded tiny demo model (built once, then reused)."""
+    if settings.model:
+        return str(Path(settings.model).expanduser().resolve())
+    from layertap.tiny_model import build_tiny_model
+
+    return build_tiny_model(settings.demo_model_dir())
+
+
+def _extract(store: str, store_uuid: str, batch: dict, settings: Settings) -> dict:
+    """Extract one batch, reusing a cached part only while its file is still where the cache says."""
+    part = extract_batch(store, store_uuid, batch, settings)
+    if part["relpath"] is not None and not (Path(store) / part["relpath"]).is_file():
+        part = extract_batch.with_options(refresh_cache=True)(store, store_uuid, batch, settings)
+    return part
+
+
+@flow(name="embed", log_prints=False)
+def embed_flow(
+    input: list[str] | None = None,
+    text_column: str | None = None,
+    model: str | None = None,
+    layers: str | None = None,
+    pooling: str | None = None,
+    dtype: str | None = None,
+    store: str | None = None,
+    remove_period: bool | None = None,
+    batch_size: int | None = None,
+    parity_sample: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    tensor_parallel_size: int | None = None,
+    enforce_eager: bool | None = None,
+    trust_remote_code: bool | None = None,
+    env_file: str | None = ".env",
+) -> dict:
+    """Embed every input row's prompt at the requested layers; parameters left at None come from
+    LAYERTAP_* environment variables, then `env_file`, then the defaults."""
+    started = time.perf_counter()
+    logger = get_run_logger()
+    settings = load_settings(
+        env_file=env_file,
+        input=input,
+        text_column=text_column,
+        model=model,
+        layers=layers,
+        pooling=pooling,
+        dtype=dtype,
+        store=store,
+        remove_period=remove_period,
+        batch_size=batch_size,
+        parity_sample=parity_sample,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        enforce_eager=enforce_eager,
+        trust_remote_code=trust_remote_code,
+    )
+    if not settings.input:
+        from layertap.errors import InputError
+
+        raise InputError("input: no input files given (--input or LAYERTAP_INPUT)")
+    store_dir = str(settings.store_path())
+    settings = settings.model_copy(update={"model": resolve_model(settings), "store": store_dir})
+
+    try:
+        ingested = ingest(store_dir, settings.input, settings.text_column)
+        normalised = normalise(store_dir, settings.remove_period)
+        key = register_extraction(
+            store_dir, settings.model, settings.pooling, settings.dtype, settings.remove_period,
+            settings.layer_spec(),
+        )
+        eid, layer_list = key["extraction_id"], key["layers"]
+        batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size)
+        planned = sum(b["num_prompts"] for b in batches)
+
+        embedded = engine_rejected = 0
+        if not batches:
+            done = validate_store(store_dir, key["rules_id"], eid, layer_list)
+            logger.info("nothing to extract: %d prompts already embedded", done.get("embedded", 0))
+        else:
+            for index, batch in enumerate(batches):
+                part = _extract(store_dir, key["store_uuid"], batch, settings)
+                validate_batch(store_dir, part, key["hidden_size"], settings, parity=index == 0)
+                published = publish_batch(store_dir, part)
+                embedded += published["published"]
+                engine_rejected += published["rejected"]
+            done = validate_store(store_dir, key["rules_id"], eid, layer_list)
+    finally:
+        engine_cache.close_runners()
+
+    rejected = dict(normalised.get("rejected") or {})
+    summary = {
+        "rows": ingested["rows_total"],
+        "new_rows": ingested["rows_new"],
+        "new_prompts": normalised["new_prompts"],
+        "duplicates": normalised["duplicates"],
+        "rejected": sum(rejected.values()) + engine_rejected,
+        "planned": planned,
+        "embedded": embedded,
+        "layers": layer_list,
+        "dimension": key["hidden_size"],
+        "store": store_dir,
+        "model": settings.model,
+        "extraction_id": eid,
+        "ledger": done,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    logger.info(
+        "embed done: %d rows, %d new prompts, %d duplicates, %d rejected, %d planned, %d embedded, "
+        "layers %s, dimension %d, extraction %s, %.1fs",
+        summary["rows"], summary["new_prompts"], summary["duplicates"], summary["rejected"],
+        summary["planned"], summary["embedded"], ",".join(map(str, layer_list)), summary["dimension"],
+        eid, summary["seconds"],
+    )
+    return summary

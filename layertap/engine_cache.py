@@ -1,0 +1,83 @@
+"""One extraction engine per process, started on first use and shared by every batch.
+
+Starting vLLM costs seconds to a minute while batches are many, so batch tasks ask this registry for a
+runner instead of building one. The flow closes the registry when it ends. A caller that runs many flows
+in one process (a test session, a notebook) can `pin()` the registry so engines survive between flows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from layertap.settings import Settings
+
+_lock = threading.RLock()
+_runners: dict[tuple, Any] = {}
+_pins = 0
+_started = 0
+
+
+def runner_key(settings: Settings) -> tuple:
+    """Engines are interchangeable only when model, dtype and every engine option agree."""
+    if not settings.model:
+        raise ValueError("runner_key needs a resolved model directory")
+    opts = tuple(sorted(settings.engine_options().items()))
+    return (str(Path(settings.model).expanduser().resolve()), settings.dtype, opts)
+
+
+def get_runner(settings: Settings):
+    """The process's runner for these settings, started now if this is the first use."""
+    global _started
+    key = runner_key(settings)
+    with _lock:
+        runner = _runners.get(key)
+        if runner is None:
+            from layertap.runner.vllm_runner import VllmRunner
+
+            runner = VllmRunner(key[0], settings.dtype, **dict(key[2]))
+            _runners[key] = runner
+            _started += 1
+        return runner
+
+
+def close_runners(force: bool = False) -> int:
+    """Close every engine (unless pinned and not forced); returns how many were closed."""
+    with _lock:
+        if _pins and not force:
+            return 0
+        runners = list(_runners.values())
+        _runners.clear()
+    for runner in runners:
+        with contextlib.suppress(Exception):
+            runner.close()
+    return len(runners)
+
+
+@contextlib.contextmanager
+def pin() -> Iterator[None]:
+    """Keep engines open across flows inside this block; close them when the outermost pin ends."""
+    global _pins
+    with _lock:
+        _pins += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _pins -= 1
+            last = _pins == 0
+        if last:
+            close_runners()
+
+
+def engines_started() -> int:
+    """How many engines this process has started so far (a rerun with nothing to do adds none)."""
+    return _started
+
+
+def open_runners() -> int:
+    return len(_runners)

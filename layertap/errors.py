@@ -1,0 +1,21 @@
+"""Errors layertap raises on purpose; the CLI prints them as one line."""
+
+
+class LayertapError(Exception):
+    """Base class: a clear, user-facing reason."""
+
+
+class StoreError(LayertapError):
+    """The store is missing, locked, or was made by another version."""
+
+
+class InputError(LayertapError):
+    """An input file, column or setting is unusable."""
+
+
+class EngineError(LayertapError):
+    """The extraction engine cannot run or produced something unusable."""
+
+
+class ValidationError(LayertapError):
+    """Extracted vectors failed a check; the batch is not published."""

@@ -1,0 +1,35 @@
+"""What every extraction engine returns, so the pipeline does not care which one ran."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+POOLINGS = ("last", "mean")
+
+
+@dataclass
+class Extraction:
+    """Pooled vectors for the kept prompts of one call.
+
+    `vectors[layer]` is a float32 array [len(kept), hidden]; row i belongs to texts[kept[i]].
+    `rejected` maps an input position to the reason it was not embedded (e.g. longer than the model allows).
+    """
+
+    vectors: dict[int, np.ndarray]
+    kept: list[int]
+    rejected: dict[int, str] = field(default_factory=dict)
+    num_tokens: int = 0
+
+
+class Runner(Protocol):
+    """An engine that pools hidden states of chosen layers (Hugging Face indices) for a list of texts."""
+
+    num_layers: int
+    hidden_size: int
+
+    def extract(self, texts: list[str], layers: list[int], pooling: str) -> Extraction: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,158 @@
+"""The hooked vLLM runner: prefill only, every requested layer captured, one engine per process.
+
+Prompts are tokenised here (one fast batch call) and handed to vLLM as token ids, so each output can be
+checked against the ids it was asked for: vLLM returns outputs under its own request ids and this runner
+verifies the match instead of trusting positions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from layertap.errors import EngineError
+from layertap.model_fingerprint import read_model_info
+from layertap.runner.base import POOLINGS, Extraction
+from layertap.runner.vllm_compat import CaptureSpec, check_vllm, install_capture
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+# Capture buffers hold one engine step of every hooked layer; keep them well under 2 GiB on a GPU.
+CAPTURE_BUFFER_BYTES = 1536 * 2**20
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Settings that fix an engine instance: changing any of them needs a new engine."""
+
+    model: str
+    dtype: str = "float32"
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool | None = None
+    trust_remote_code: bool = False
+    max_num_seqs: int | None = None
+    seed: int = 0
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class VllmRunner:
+    """Owns one vLLM engine started as a pooling model with the layer-capture pooler swapped in."""
+
+    def __init__(self, options: EngineOptions):
+        self.options = options
+        self.vllm_version = check_vllm()
+        info = read_model_info(options.model)
+        self.num_layers, self.hidden_size = info.num_layers, info.hidden_size
+        if options.dtype not in TORCH_DTYPES:
+            raise EngineError(f"dtype: expected one of {', '.join(TORCH_DTYPES)}, got {options.dtype!r}")
+        on_cpu = _on_cpu()
+        if on_cpu:
+            # In-process engine core: no second process to start, and hooks live where we can see them.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            options.model, trust_remote_code=options.trust_remote_code
+        )
+        kwargs = dict(
+            model=options.model,
+            runner="pooling",
+            convert="embed",
+            dtype=TORCH_DTYPES[options.dtype],
+            # Hooks run as plain Python in eager mode; prefill-only steps gain little from CUDA graphs.
+            enforce_eager=True if options.enforce_eager is None else options.enforce_eager,
+            tensor_parallel_size=options.tensor_parallel_size,
+            trust_remote_code=options.trust_remote_code,
+            gpu_memory_utilization=options.gpu_memory_utilization or (0.3 if on_cpu else 0.9),
+            seed=options.seed,
+            enable_prefix_caching=True,
+        )
+        for name in ("max_num_batched_tokens", "max_model_len", "max_num_seqs"):
+            if getattr(options, name) is not None:
+                kwargs[name] = getattr(options, name)
+        if options.max_num_batched_tokens is None:
+            kwargs["max_num_batched_tokens"] = self._default_step_tokens()
+        log.info("starting vLLM %s on %s", self.vllm_version, options.model)
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as exc:
+            raise EngineError(f"vLLM could not start on {options.model}: {exc}") from exc
+        config = self.llm.llm_engine.vllm_config
+        self.max_model_len = config.model_config.max_model_len
+        self.step_tokens = config.scheduler_config.max_num_batched_tokens
+        self._capture: tuple[tuple[int, ...], str] | None = None
+        self.capture_buffer_bytes = 0
+
+    def _default_step_tokens(self) -> int:
+        per_token = (self.num_layers + 1) * self.hidden_size * (4 if self.options.dtype == "float32" else 2)
+        return int(max(512, min(8192, CAPTURE_BUFFER_BYTES // per_token)) // 256 * 256)
+
+    def _ensure_capture(self, layers: tuple[int, ...], pooling: str) -> None:
+        if self._capture == (layers, pooling):
+            return
+        spec = CaptureSpec(layers=layers, num_layers=self.num_layers, pooling=pooling,
+                           max_tokens=self.step_tokens + 256)
+        sizes = self.llm.apply_model(lambda model: install_capture(model, spec))
+        self.capture_buffer_bytes = max(sizes)
+        self._capture = (layers, pooling)
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=True)["input_ids"]
+
+    def extract(self, texts: list[str], layers: list[int], pooling: str) -> Extraction:
+        """Pool `layers` (HF indices, sorted) for `texts`; over-long prompts are rejected, not truncated."""
+        from vllm import PoolingParams
+
+        if pooling not in POOLINGS:
+            raise EngineError(f"pooling: expected one of {', '.join(POOLINGS)}, got {pooling!r}")
+        layers = tuple(sorted(set(layers)))
+        if not texts:
+            return Extraction({layer: np.empty((0, self.hidden_size), np.float32) for layer in layers}, [])
+        self._ensure_capture(layers, pooling)
+        token_ids = self.tokenize(texts)
+        kept, rejected = [], {}
+        for i, ids in enumerate(token_ids):
+            if len(ids) > self.max_model_len:
+                rejected[i] = f"too long: {len(ids)} tokens > max_model_len {self.max_model_len}"
+            else:
+                kept.append(i)
+        # Mean pooling needs every prompt token's hidden state, so it must not reuse cached prefixes.
+        params = PoolingParams(task="embed", skip_reading_prefix_cache=pooling == "mean")
+        prompts = [{"prompt_token_ids": token_ids[i]} for i in kept]
+        outputs = self.llm.encode(prompts, pooling_params=params, pooling_task="embed", use_tqdm=False)
+        if len(outputs) != len(kept):
+            raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(kept)} prompts")
+        stacked = np.empty((len(layers), len(kept), self.hidden_size), dtype=np.float32)
+        for row, (i, output) in enumerate(zip(kept, outputs)):
+            if list(output.prompt_token_ids) != token_ids[i]:
+                raise EngineError(f"vLLM output {output.request_id} does not belong to prompt {i}")
+            data = output.outputs.data
+            if tuple(data.shape) != (len(layers), self.hidden_size):
+                raise EngineError(f"capture returned shape {tuple(data.shape)}, expected "
+                                  f"{(len(layers), self.hidden_size)}")
+            stacked[:, row] = data.float().numpy()
+        vectors = {layer: stacked[j] for j, layer in enumerate(layers)}
+        return Extraction(vectors, kept, rejected, num_tokens=sum(len(token_ids[i]) for i in kept))
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # pragma: no cover - best effort on teardown
+            log.debug("engine shutdown raised", exc_info=True)

@@ -1,0 +1,170 @@
+"""Run settings: one validated object built from CLI args, LAYERTAP_* env vars, a `.env` file and defaults.
+
+Precedence is CLI > environment > `.env` > default. CLI values are passed as init kwargs, which
+pydantic-settings ranks above every other source. Validation problems are reported as one line naming the
+setting, so a typo in an env var is as easy to spot as a typo on the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "LAYERTAP_"
+
+_LAYERS_RE = re.compile(r"^-?\d+(,-?\d+)*$")
+
+
+class Settings(BaseSettings):
+    """Everything one `embed` run needs; engine options left at None let the runner choose."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        validate_default=True,
+        frozen=True,
+    )
+
+    # Inputs. NoDecode keeps pydantic-settings from demanding JSON for the list in env vars.
+    input: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    text_column: str = "text"
+
+    # Extraction key.
+    model: str | None = None
+    layers: str = "all"
+    pooling: Literal["last", "mean"] = "last"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    remove_period: bool = False
+
+    # Where results live.
+    store: str = "./layertap-store"
+
+    # Work sizing and checks.
+    batch_size: int = Field(1024, ge=1)
+    parity_sample: int = Field(8, ge=0)
+
+    # Engine options, passed through to the runner.
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    enforce_eager: bool | None = None
+    trust_remote_code: bool = False
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _split_input(cls, value: Any) -> Any:
+        """Accept a JSON list or a comma-separated string (env vars), or a list (CLI, code)."""
+        if value is None:
+            return []
+        if isinstance(value, (str, Path)):
+            text = str(value).strip()
+            if text.startswith("["):
+                try:
+                    return json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"not a JSON list of paths ({exc.msg})") from None
+            return [part.strip() for part in text.split(",") if part.strip()]
+        if isinstance(value, (list, tuple)):
+            return [str(v) for v in value]
+        return value
+
+    @field_validator("text_column", "store")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator(
+        "model",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "gpu_memory_utilization",
+        "enforce_eager",
+        mode="before",
+    )
+    @classmethod
+    def _blank_is_none(cls, value: Any) -> Any:
+        """An empty env var (LAYERTAP_MODEL=) means "not set", not an empty path or a parse error."""
+        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
+            return None
+        return value
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _check_layers(cls, value: Any) -> Any:
+        """Keep the spec as a canonical string ("all" or "0,4,-1"); resolving needs the model's depth."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(v) for v in value)
+        if not isinstance(value, str):
+            return value
+        spec = re.sub(r"\s+", "", value).lower()
+        if spec == "all":
+            return spec
+        if not _LAYERS_RE.match(spec):
+            raise ValueError(f"expected 'all' or a comma list of layer indices like '0,4,-1', got {value!r}")
+        seen: list[str] = []
+        for part in spec.split(","):
+            canon = str(int(part))
+            if canon not in seen:
+                seen.append(canon)
+        return ",".join(seen)
+
+    def layer_spec(self) -> str | list[int]:
+        """The layer request in the form `layertap.layers.resolve_layers` takes."""
+        if self.layers == "all":
+            return "all"
+        return [int(p) for p in self.layers.split(",")]
+
+    def engine_options(self) -> dict[str, Any]:
+        """Options for the runner constructor; None values are left out so the runner's defaults apply."""
+        opts = {
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "enforce_eager": self.enforce_eager,
+            "trust_remote_code": self.trust_remote_code,
+        }
+        return {k: v for k, v in opts.items() if v is not None}
+
+    def store_path(self) -> Path:
+        return Path(self.store).expanduser().resolve()
+
+    def demo_model_dir(self) -> Path:
+        """Where the embedded tiny model is built when no model is given: next to the store, not inside it."""
+        return self.store_path().parent / ".layertap" / "tiny-model"
+
+
+def settings_error_line(exc: ValidationError) -> str:
+    """One line naming each bad setting, the env var that sets it, and why it is bad."""
+    problems = []
+    for err in exc.errors():
+        loc = err.get("loc") or ()
+        name = str(loc[0]) if loc else "settings"
+        msg = err.get("msg", "invalid value")
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        given = err.get("input")
+        where = f"{name} ({ENV_PREFIX}{name.upper()})" if name in Settings.model_fields else name
+        detail = f"invalid setting {where}: {msg}"
+        if isinstance(given, (str, int, float, bool)) and repr(given) not in msg and str(given) not in msg:
+            detail += f" (got {given!r})"
+        problems.append(detail)
+    return "; ".join(problems)
+
+
+def load_settings(env_file: str | Path | None = ".env", **overrides: Any) -> Settings:
+    """Build settings with `overrides` (e.g. CLI values) on top; None overrides are ignored, not forced."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return Settings(_env_file=env_file, **given)  # type: ignore[call-arg]

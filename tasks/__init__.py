@@ -1,0 +1,24 @@
+"""Thin Prefect tasks around the layertap library: retries, cache keys and one log line per stage.
+
+Tasks pass paths, ids, hashes and counts between each other, never arrays: vectors go straight from the
+engine to a Parquet part on disk, and only the part's path travels on.
+"""
+
+from tasks.extract import batch_cache_key, extract_batch
+from tasks.ingest import ingest
+from tasks.normalise import normalise
+from tasks.plan import plan, register_extraction
+from tasks.publish import publish_batch, validate_batch
+from tasks.validate import validate_store
+
+__all__ = [
+    "batch_cache_key",
+    "extract_batch",
+    "ingest",
+    "normalise",
+    "plan",
+    "publish_batch",
+    "register_extraction",
+    "validate_batch",
+    "validate_store",
+]

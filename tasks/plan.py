@@ -1,0 +1,67 @@
+"""Pin down the extraction key and work out which (prompt, layer) results are still missing."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from layertap.layers import resolve_layers
+from layertap.model_fingerprint import fingerprint_model, read_model_info
+from layertap.normalise import NormaliseRules
+from layertap.store import ExtractionKey, StoreDB
+
+
+@task(name="register-extraction", cache_policy=NO_CACHE)
+def register_extraction(
+    store: str, model_dir: str, pooling: str, dtype: str, remove_period: bool, layers: str | list[int]
+) -> dict:
+    """Fingerprint the model from its files (no engine needed) and record the extraction key."""
+    info = read_model_info(model_dir)
+    fingerprint = fingerprint_model(model_dir)
+    rules = NormaliseRules(remove_period=remove_period)
+    key = ExtractionKey(
+        model_fingerprint=fingerprint,
+        model_path=model_dir,
+        pooling=pooling,
+        dtype=dtype,
+        rules_id=rules.rules_id,
+        hidden_size=info.hidden_size,
+        num_layers=info.num_layers,
+    )
+    db = StoreDB(store)
+    extraction_id = db.register_extraction(key)
+    resolved = resolve_layers(layers, info.num_layers)
+    get_run_logger().info(
+        "extraction %s: model %s (%s, %d layers, hidden %d), %s pooling, %s, rules %s, layers %s",
+        extraction_id,
+        fingerprint[:12],
+        info.model_type,
+        info.num_layers,
+        info.hidden_size,
+        pooling,
+        dtype,
+        rules.rules_id,
+        ",".join(map(str, resolved)),
+    )
+    return {
+        "extraction_id": extraction_id,
+        "store_uuid": db.store_uuid,
+        "model_fingerprint": fingerprint,
+        "model_dir": model_dir,
+        "rules_id": rules.rules_id,
+        "layers": resolved,
+        "hidden_size": info.hidden_size,
+        "num_layers": info.num_layers,
+    }
+
+
+@task(name="plan", cache_policy=NO_CACHE)
+def plan(store: str, extraction_id: str, layers: list[int], rules_id: str, batch_size: int) -> list[dict]:
+    """Batches of prompts lacking some requested layer; each batch's prompt list stays in the store."""
+    batches = [asdict(b) for b in StoreDB(store).plan(extraction_id, list(layers), rules_id, batch_size)]
+    get_run_logger().info(
+        "plan: %d prompts to extract in %d batches", sum(b["num_prompts"] for b in batches), len(batches)
+    )
+    return batches

@@ -1,0 +1,89 @@
+"""Check a written part, then make it visible in one store transaction (or quarantine it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from layertap import validate as checks
+from layertap.errors import ValidationError as CheckFailed
+from layertap.settings import Settings
+from layertap.store import StoreDB
+
+
+def quarantine(store: str, extraction_id: str, relpath: str) -> str | None:
+    """Move a failed part out of parts/ so nothing can ever publish it; keep it for inspection."""
+    source = Path(store) / relpath
+    if not source.exists():
+        return None
+    target = Path(store) / "quarantine" / extraction_id / source.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(source, target)
+    return str(target.relative_to(store))
+
+
+@task(name="validate-batch", cache_policy=NO_CACHE)
+def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings, parity: bool) -> dict:
+    """Structural checks on every part; on the run's first part also a parity sample against Hugging Face.
+
+    Checks are deterministic, so there are no retries: a failure quarantines the part and stops the run
+    with a message naming the check.
+    """
+    logger = get_run_logger()
+    if part["relpath"] is None:
+        return {"batch_id": part["batch_id"], "checks": []}
+    db = StoreDB(store)
+    hashes, texts = db.batch_prompts(part["batch_id"])
+    kept = set(hashes) - set(part["rejected"])
+    order = [h for h in hashes if h in kept]
+    done = []
+    try:
+        checks.check_part(
+            store, part["relpath"], order, part["layers"], hidden_size=hidden_size, dtype=settings.dtype
+        )
+        done.append("part")
+        if parity and settings.parity_sample > 0:
+            by_hash = dict(zip(hashes, texts))
+            report = checks.parity_check(
+                store,
+                part["relpath"],
+                [(h, by_hash[h]) for h in order],
+                model_dir=settings.model,
+                layers=part["layers"],
+                pooling=settings.pooling,
+                dtype=settings.dtype,
+                sample=settings.parity_sample,
+            )
+            done.append("parity")
+            logger.info("parity vs Hugging Face on batch %s: %s", part["batch_id"], report)
+    except CheckFailed as exc:
+        moved = quarantine(store, part["extraction_id"], part["relpath"])
+        raise CheckFailed(
+            f"batch {part['batch_id']} not published: {exc}" + (f" (part moved to {moved})" if moved else "")
+        ) from exc
+    logger.info("validate batch %s: %s ok", part["batch_id"], " + ".join(done))
+    return {"batch_id": part["batch_id"], "checks": done}
+
+
+@task(name="publish-batch", cache_policy=NO_CACHE)
+def publish_batch(store: str, part: dict) -> dict:
+    """One DuckDB transaction makes the part (already fsynced on disk) visible to readers."""
+    db = StoreDB(store)
+    hashes, _ = db.batch_prompts(part["batch_id"])
+    rejected = part["rejected"]
+    if rejected:
+        db.reject_prompts(part["extraction_id"], rejected)
+    if part["relpath"] is not None:
+        order = [h for h in hashes if h not in rejected]
+        db.publish_part(part["extraction_id"], part["part_id"], part["relpath"], part["layers"], order)
+    get_run_logger().info(
+        "publish batch %s: %d prompts x %d layers%s",
+        part["batch_id"],
+        part["num_prompts"],
+        len(part["layers"]),
+        f", {len(rejected)} rejected by the engine" if rejected else "",
+    )
+    return {"batch_id": part["batch_id"], "published": part["num_prompts"], "rejected": len(rejected)}
