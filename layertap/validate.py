@@ -1,0 +1,116 @@
+"""Checks a batch must pass before it is published, and the parity sample against Hugging Face.
+
+Each check raises `ValidationError` naming itself, so a failed run says what was wrong, not just that
+something was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from layertap.errors import ValidationError
+
+# Minimum cosine between layertap's vectors and transformers' for the same prompt and layer.
+PARITY_MIN_COSINE = {"float32": 0.99999, "float16": 0.99, "bfloat16": 0.99}
+
+
+def layer_column(layer: int) -> str:
+    return f"layer_{layer}"
+
+
+def check_vectors(vectors: dict[int, np.ndarray], layers: list[int], num_rows: int, hidden_size: int) -> None:
+    """One vector per prompt and layer, of the model's width, finite, and not all zero."""
+    missing = sorted(set(layers) - set(vectors))
+    if missing:
+        raise ValidationError(f"check 'layers present': layers {missing} missing")
+    for layer in layers:
+        array = np.asarray(vectors[layer])
+        if array.shape != (num_rows, hidden_size):
+            raise ValidationError(
+                f"check 'shape': layer {layer} has shape {array.shape}, expected ({num_rows}, {hidden_size})"
+            )
+        finite = np.isfinite(array).all(axis=1)
+        if not finite.all():
+            raise ValidationError(
+                f"check 'finite': layer {layer} has {int((~finite).sum())} vectors with NaN or inf"
+            )
+        zero = ~array.any(axis=1)
+        if zero.any():
+            raise ValidationError(f"check 'non-zero': layer {layer} has {int(zero.sum())} all-zero vectors")
+
+
+def check_part(path: str, prompt_hashes: list[str], layers: list[int], hidden_size: int) -> None:
+    """Re-read a written part and check it holds exactly the batch's prompts and layers."""
+    table = pq.read_table(path)
+    got = table.column("prompt_hash").to_pylist()
+    if got != list(prompt_hashes):
+        raise ValidationError(
+            f"check 'one result per prompt': {path} holds {len(got)} rows "
+            f"({len(set(got))} distinct), expected {len(prompt_hashes)}"
+        )
+    columns = {name for name in table.column_names if name.startswith("layer_")}
+    expected = {layer_column(layer) for layer in layers}
+    if columns != expected:
+        raise ValidationError(f"check 'layers present': {path} has {sorted(columns)}, expected {sorted(expected)}")
+    vectors = {
+        layer: np.asarray(table.column(layer_column(layer)).combine_chunks().flatten()).reshape(len(got), -1)
+        for layer in layers
+    }
+    check_vectors(vectors, layers, len(got), hidden_size)
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    """Worst agreement per layer over the sample."""
+
+    prompts: int
+    min_cosine: dict[int, float]
+    max_abs_error: dict[int, float]
+
+
+def compare(ours: dict[int, np.ndarray], reference: dict[int, np.ndarray], dtype: str) -> ParityReport:
+    """Cosine and max-abs error per layer; raises when any prompt falls below the dtype's tolerance."""
+    threshold = PARITY_MIN_COSINE[dtype]
+    cosines, errors = {}, {}
+    for layer, ref in reference.items():
+        got = np.asarray(ours[layer], dtype=np.float64)
+        ref = np.asarray(ref, dtype=np.float64)
+        denom = np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1)
+        cos = (got * ref).sum(axis=1) / np.maximum(denom, 1e-30)
+        cosines[layer] = float(cos.min())
+        errors[layer] = float(np.abs(got - ref).max())
+        if cosines[layer] < threshold:
+            raise ValidationError(
+                f"check 'parity': layer {layer} cosine {cosines[layer]:.6f} < {threshold} against "
+                f"Hugging Face on prompt {int(cos.argmin())} of the sample"
+            )
+    return ParityReport(len(next(iter(reference.values()))), cosines, errors)
+
+
+def parity_check(
+    model: str,
+    texts: list[str],
+    vectors: dict[int, np.ndarray],
+    layers: list[int],
+    pooling: str,
+    dtype: str,
+    trust_remote_code: bool = False,
+) -> ParityReport:
+    """Recompute `texts` with transformers (float32, CPU) and compare with `vectors` (rows = texts)."""
+    from layertap.runner.hf_runner import HfRunner
+
+    reference = HfRunner(model, "float32", trust_remote_code=trust_remote_code)
+    try:
+        expected = reference.extract(texts, layers, pooling).vectors
+    finally:
+        reference.close()
+    return compare({layer: vectors[layer] for layer in layers}, expected, dtype)
+
+
+def parity_sample(prompt_hashes: list[str], size: int) -> list[int]:
+    """Deterministic sample: the positions of the `size` smallest hashes (hashes are uniformly random)."""
+    order = sorted(range(len(prompt_hashes)), key=prompt_hashes.__getitem__)
+    return sorted(order[:size])
