@@ -52,7 +52,7 @@ def _config(arch: str, vocab_size: int, num_layers: int, hidden_size: int):
         eos_token_id=2,
         pad_token_id=2,
         tie_word_embeddings=False,
-        initializer_range=0.2,
+        initializer_range=0.05,
         torch_dtype="float32",
     )
     if arch == "llama":

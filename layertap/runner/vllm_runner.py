@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 # Capture buffers hold one engine step of every hooked layer; keep them well under 2 GiB on a GPU.
 CAPTURE_BUFFER_BYTES = 1536 * 2**20
+CPU_KV_CACHE_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class EngineOptions:
     enforce_eager: bool | None = None
     trust_remote_code: bool = False
     max_num_seqs: int | None = None
+    load_format: str | None = None
+    kv_cache_memory_bytes: int | None = None
     seed: int = 0
 
 
@@ -80,7 +83,12 @@ class VllmRunner:
             seed=options.seed,
             enable_prefix_caching=True,
         )
-        for name in ("max_num_batched_tokens", "max_model_len", "max_num_seqs"):
+        if on_cpu and options.kv_cache_memory_bytes is None and options.gpu_memory_utilization is None:
+            # The CPU worker sizes its KV cache from memory the process has not used yet, which leaves
+            # nothing for a second engine in the same process; a fixed size does not depend on that.
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        for name in ("max_num_batched_tokens", "max_model_len", "max_num_seqs", "load_format",
+                     "kv_cache_memory_bytes"):
             if getattr(options, name) is not None:
                 kwargs[name] = getattr(options, name)
         if options.max_num_batched_tokens is None:

@@ -1,0 +1,264 @@
+"""Side-by-side extraction benchmark on one GPU: Hugging Face, vLLM, and layertap.
+
+Run on the GPU machine (vLLM 0.26 kit staged, repo root on PYTHONPATH):
+
+    python bench/gpu_extract.py --out bench/results
+
+Every mode runs in its own subprocess so one engine's memory never affects the next. The model is
+Llama-2-7B-shaped (bf16) with dummy weights (weights' values do not change speed); the tokenizer is
+layertap's byte-level one, so prompt lengths in tokens are exact. Workloads are generated from a fixed
+seed: 4096 short prompts (~18 tokens) and 2000 medium prompts (~240 tokens). All 33 hidden states,
+last-token pooling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKLOADS = {"short": (4096, 18), "medium": (2000, 240)}
+# The per-prompt HF loop and vLLM's file-per-request extractor are measured on a prefix of the workload
+# (their cost is linear in prompts; the full set would take minutes or hundreds of GB of /dev/shm).
+SUBSET = {"hf_loop": {"short": 256, "medium": 128}, "vllm_extract_hidden_states": {"short": 1024, "medium": 200}}
+MODES = ["hf_loop", "hf_batched", "vllm_plain", "layertap", "layertap_runner", "vllm_extract_hidden_states"]
+LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                 intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
+WORDS = ("the of and to in is was for on that with as by at from his an were are which this be has or had "
+         "model layer probe vector state token river cloud paper signal garden engine window theory market "
+         "violet silent ancient rapid golden hollow bright narrow gentle frozen").split()
+
+
+def make_prompts(workload: str) -> list[str]:
+    """Deterministic English-like prompts whose byte-level token count is about the target (BOS included)."""
+    count, tokens = WORKLOADS[workload]
+    rng = random.Random(f"layertap-{workload}")
+    prompts = []
+    for i in range(count):
+        target = max(4, int(rng.gauss(tokens, tokens * 0.15))) - 1
+        words = [f"#{i}"]
+        while len(" ".join(words)) < target:
+            words.append(rng.choice(WORDS))
+        prompts.append(" ".join(words)[:target])
+    return prompts
+
+
+def build_model_dir(root: Path) -> str:
+    """A config of the real shape plus layertap's byte-level tokenizer; no weights (loaded as dummy)."""
+    from transformers import LlamaConfig
+
+    from layertap.tiny_model import _byte_level_tokenizer
+
+    path = root / "llama2-7b-shape"
+    config = LlamaConfig(**LLAMA2_7B, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    config.save_pretrained(path)
+    _byte_level_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# modes (each runs in a fresh process)
+
+def run_hf(model_dir: str, prompts: list[str], batched: bool) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    config = LlamaConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    start = time.perf_counter()
+    results = []
+    with torch.inference_mode():
+        if not batched:
+            for text in prompts:
+                enc = tok(text, return_tensors="pt").to("cuda")
+                out = model.generate(**enc, output_hidden_states=True, return_dict_in_generate=True,
+                                     max_new_tokens=1, do_sample=False, pad_token_id=2)
+                first_step = out.hidden_states[0]  # prefill step: one tensor per layer
+                results.append([h[0, -1].float().cpu().tolist() for h in first_step])
+        else:
+            tok.padding_side = "left"
+            for i in range(0, len(prompts), 64):
+                enc = tok(prompts[i:i + 64], return_tensors="pt", padding=True).to("cuda")
+                hidden = model(**enc, output_hidden_states=True).hidden_states
+                results.append(torch.stack([h[:, -1] for h in hidden], dim=1).float().cpu())
+    torch.cuda.synchronize()
+    return {"seconds": time.perf_counter() - start}
+
+
+def run_vllm_plain(model_dir: str, prompts: list[str]) -> dict:
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16")
+    startup = time.perf_counter() - t0
+    llm.generate(prompts[:64], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    return {"seconds": time.perf_counter() - start, "startup_s": startup}
+
+
+def run_layertap(model_dir: str, prompts: list[str]) -> dict:
+    """End to end through the library: ingest, normalise, plan, extract, write Parquet, publish, read back."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import torch
+
+    from layertap.pipeline import run_pipeline
+    from layertap.runner.vllm_runner import EngineOptions, VllmRunner
+    from layertap.store import Store
+
+    work = Path(tempfile.mkdtemp(prefix="layertap-bench-"))
+    warm = work / "warm.csv"
+    data = work / "prompts.csv"
+    pacsv.write_csv(pa.table({"text": [f"warm-up prompt number {i}" for i in range(64)]}), warm)
+    pacsv.write_csv(pa.table({"text": prompts}), data)
+    t0 = time.perf_counter()
+    runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format="dummy"))
+    startup = time.perf_counter() - t0
+    common = dict(model=model_dir, layers="all", pooling="last", dtype="bfloat16", parity_sample=0)
+    run_pipeline(runner=runner, inputs=[str(warm)], store=str(work / "warm-store"), **common)
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    summary = run_pipeline(runner=runner, inputs=[str(data)], store=str(work / "store"), **common)
+    table = Store(work / "store").embeddings(layer=runner.num_layers)
+    seconds = time.perf_counter() - start
+    assert table.num_rows == len(set(prompts)), (table.num_rows, len(set(prompts)))
+    return {"seconds": seconds, "startup_s": startup, "summary": summary,
+            "capture_buffer_bytes": runner.capture_buffer_bytes,
+            "step_tokens": runner.step_tokens}
+
+
+def run_layertap_runner(model_dir: str, prompts: list[str]) -> dict:
+    """The hooked runner alone: vectors for every prompt in host memory, no store."""
+    from layertap.runner.vllm_runner import EngineOptions, VllmRunner
+
+    t0 = time.perf_counter()
+    runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format="dummy"))
+    startup = time.perf_counter() - t0
+    layers = list(range(runner.num_layers + 1))
+    runner.extract(prompts[:64], layers, "last")  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(prompts), 1024):
+        runner.extract(prompts[i:i + 1024], layers, "last")
+    return {"seconds": time.perf_counter() - start, "startup_s": startup,
+            "capture_buffer_bytes": runner.capture_buffer_bytes, "step_tokens": runner.step_tokens}
+
+
+def run_vllm_extract_hidden_states(model_dir: str, prompts: list[str]) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as conn
+
+    shm = tempfile.mkdtemp(prefix="hs-", dir="/dev/shm")
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=model_dir, load_format="dummy", dtype="bfloat16", enable_chunked_prefill=False,
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {
+                                "eagle_aux_hidden_state_layer_ids": list(range(LLAMA2_7B["num_hidden_layers"]))}}},
+        kv_transfer_config=KVTransferConfig(kv_connector="ExampleHiddenStatesConnector", kv_role="kv_producer",
+                                            kv_connector_extra_config={"shared_storage_path": shm}),
+    )
+    startup = time.perf_counter() - t0
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    generated = time.perf_counter() - start
+    vectors = []
+    for output in outputs:
+        path = output.kv_transfer_params["hidden_states_path"]
+        vectors.append(conn.load_hidden_states(path)["hidden_states"][-1].float().tolist())
+        conn.cleanup_hidden_states(path)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "generate_s": generated, "read_back_s": seconds - generated,
+            "startup_s": startup, "layers_captured": len(vectors[0]) if vectors else 0}
+
+
+def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
+    prompts = make_prompts(workload)
+    if mode in SUBSET:
+        prompts = prompts[: SUBSET[mode][workload]]
+    try:
+        if mode in ("hf_loop", "hf_batched"):
+            result = run_hf(model_dir, prompts, batched=mode == "hf_batched")
+        else:
+            result = globals()[f"run_{mode}"](model_dir, prompts)
+        result["status"] = "ok"
+    except Exception as exc:  # recorded in the results, the other modes still run
+        import traceback
+
+        result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()[-3000:]}
+    result["prompts"] = len(prompts)
+    result["tokens"] = sum(len(p.encode()) + 1 for p in prompts)  # byte-level tokenizer + BOS
+    if result["status"] == "ok":
+        result["prompts_per_s"] = result["prompts"] / result["seconds"]
+        result["tokens_per_s"] = result["tokens"] / result["seconds"]
+    Path(out).write_text(json.dumps(result, indent=1, default=str))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--workloads", default="short,medium")
+    parser.add_argument("--worker", nargs=4, metavar=("MODE", "WORKLOAD", "MODEL_DIR", "OUT"))
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return
+    import torch
+    import vllm
+
+    root = Path(tempfile.mkdtemp(prefix="layertap-gpu-bench-"))
+    model_dir = build_model_dir(root)
+    report = {
+        "date": dt.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(0),
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "command": "python " + " ".join(sys.argv),
+        "model": {"shape": "Llama-2-7B", **LLAMA2_7B, "dtype": "bfloat16", "weights": "dummy"},
+        "layers": "all (33 hidden states)", "pooling": "last",
+    }
+    for workload in args.workloads.split(","):
+        per_mode = {}
+        for mode in args.modes.split(","):
+            result_file = root / f"{mode}-{workload}.json"
+            started = time.perf_counter()
+            proc = subprocess.run([sys.executable, __file__, "--worker", mode, workload, model_dir, str(result_file)],
+                                  capture_output=True, text=True)
+            if result_file.exists():
+                per_mode[mode] = json.loads(result_file.read_text())
+            else:
+                per_mode[mode] = {"status": "crashed", "returncode": proc.returncode, "stderr": proc.stderr[-3000:]}
+            per_mode[mode]["wall_s"] = time.perf_counter() - started
+            print(f"{workload:6s} {mode:28s} {per_mode[mode].get('prompts_per_s', float('nan')):10.1f} prompts/s "
+                  f"({per_mode[mode]['status']})", flush=True)
+        rates = {m: r.get("prompts_per_s") for m, r in per_mode.items()}
+        entry = {"prompts_per_s": rates, "modes": per_mode}
+        ours = rates.get("layertap")
+        for name, ref in (("vllm_plain", "ratio_vs_vllm_plain"), ("hf_loop", "ratio_vs_hf_loop"),
+                          ("hf_batched", "ratio_vs_hf_batched"),
+                          ("vllm_extract_hidden_states", "ratio_vs_vllm_extract_hidden_states")):
+            entry[ref] = ours / rates[name] if ours and rates.get(name) else None
+        report[workload] = entry
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"gpu-extract-{report['date']}.json"
+    target.write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps({w: {k: report[w][k] for k in report[w] if k != "modes"} for w in args.workloads.split(",")},
+                     indent=1))
+    print("wrote", target)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The hooked vLLM runner against transformers' output_hidden_states, on three architecture families."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from runner_fixtures import MAX_ABS_ERROR, MIN_COSINE, STEP_TOKENS, varied_prompts
+
+from layertap.errors import EngineError
+from layertap.runner import vllm_compat
+
+
+def assert_parity(ours, reference, layers, rows=None):
+    """Every prompt, every layer: cosine and (on CPU) max abs error within tolerance."""
+    for layer in layers:
+        got = np.asarray(ours.vectors[layer], np.float64)
+        ref = np.asarray(reference.vectors[layer], np.float64)
+        if rows is not None:
+            ref = ref[rows]
+        assert got.shape == ref.shape, (layer, got.shape, ref.shape)
+        cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
+        assert cos.min() >= MIN_COSINE, f"layer {layer}: worst cosine {cos.min()} on prompt {cos.argmin()}"
+        if MAX_ABS_ERROR is not None:
+            err = np.abs(got - ref).max()
+            assert err <= MAX_ABS_ERROR, f"layer {layer}: max abs error {err}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_every_layer_matches_transformers(arch, pooling, engines, references):
+    runner = engines(arch)
+    prompts = varied_prompts(60, seed=1)
+    assert max(len(p.encode()) for p in prompts) > STEP_TOKENS  # chunked prefill splits some prompts
+    layers = list(range(runner.num_layers + 1))
+    ours = runner.extract(prompts, layers, pooling)
+    assert ours.kept == list(range(len(prompts))) and not ours.rejected
+    assert_parity(ours, references(arch).extract(prompts, layers, pooling), layers)
+
+
+def test_five_hundred_mixed_prompts_map_to_their_own_rows(engines, references):
+    runner = engines("llama")
+    prompts = varied_prompts(500, seed=2, longest=200)
+    layers = [0, 2, runner.num_layers]
+    ours = runner.extract(prompts, layers, "last")
+    assert_parity(ours, references("llama").extract(prompts, layers, "last"), layers)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_identical_prompts_and_shared_prefixes_with_prefix_caching(pooling, engines, references):
+    """The engine caches prefixes; last pooling may reuse them, mean pooling must recompute every token."""
+    runner = engines("llama")
+    prefix = "shared system preamble " * 12  # longer than a KV block and than one engine step
+    prompts = [prefix + tail for tail in ("a", "b", "a", "question one?", "question two?")] + [prefix] * 3
+    layers = list(range(runner.num_layers + 1))
+    for _ in range(2):  # the second call finds every prefix cached
+        ours = runner.extract(prompts, layers, pooling)
+        assert_parity(ours, references("llama").extract(prompts, layers, pooling), layers)
+    same = ours.vectors[2][[0, 2]]  # the same prompt twice in one call: the same vector
+    assert np.dot(same[0], same[1]) / np.linalg.norm(same[0]) / np.linalg.norm(same[1]) >= MIN_COSINE
+
+
+def test_second_call_with_other_layers_on_the_same_engine(engines, references):
+    runner = engines("qwen3")
+    prompts = varied_prompts(20, seed=3)
+    for layers in ([1], [0, runner.num_layers], [-1 + runner.num_layers]):
+        ours = runner.extract(prompts, layers, "last")
+        assert sorted(ours.vectors) == layers
+        assert_parity(ours, references("qwen3").extract(prompts, layers, "last"), layers)
+
+
+def test_prompts_longer_than_the_model_allows_are_rejected_not_truncated(engines):
+    runner = engines("llama")
+    too_long = "x" * (runner.max_model_len + 10)
+    result = runner.extract(["fine", too_long, "also fine"], [1], "last")
+    assert result.kept == [0, 2]
+    assert "too long" in result.rejected[1] and str(runner.max_model_len) in result.rejected[1]
+    assert result.vectors[1].shape == (2, runner.hidden_size)
+
+
+def test_unknown_vllm_shape_is_a_clear_error(monkeypatch):
+    """A vLLM release that renames a seam layertap relies on fails early, naming it."""
+    from vllm.v1.pool import metadata
+
+    vllm_compat.check_vllm()
+    monkeypatch.delattr(metadata.PoolingCursor, "__dataclass_fields__")
+    monkeypatch.setattr(metadata, "PoolingCursor", type("PoolingCursor", (), {}))
+    with pytest.raises(EngineError, match="PoolingCursor.last_token_indices_gpu"):
+        vllm_compat.check_vllm()
