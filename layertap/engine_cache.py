@@ -20,6 +20,7 @@ _lock = threading.RLock()
 _runners: dict[tuple, Any] = {}
 _pins = 0
 _started = 0
+_requests = 0
 
 
 def runner_key(settings: Settings) -> tuple:
@@ -32,14 +33,15 @@ def runner_key(settings: Settings) -> tuple:
 
 def get_runner(settings: Settings):
     """The process's runner for these settings, started now if this is the first use."""
-    global _started
+    global _started, _requests
     key = runner_key(settings)
     with _lock:
+        _requests += 1
         runner = _runners.get(key)
         if runner is None:
-            from layertap.runner.vllm_runner import VllmRunner
+            from layertap.runner.vllm_runner import EngineOptions, VllmRunner
 
-            runner = VllmRunner(key[0], settings.dtype, **dict(key[2]))
+            runner = VllmRunner(EngineOptions(model=key[0], dtype=settings.dtype, **dict(key[2])))
             _runners[key] = runner
             _started += 1
         return runner
@@ -79,5 +81,11 @@ def engines_started() -> int:
     return _started
 
 
+def runner_requests() -> int:
+    """How many times work asked for an engine; unchanged across a run means the run did no model work."""
+    return _requests
+
+
 def open_runners() -> int:
+    """How many engines are open right now."""
     return len(_runners)

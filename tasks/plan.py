@@ -60,8 +60,13 @@ def register_extraction(
 @task(name="plan", cache_policy=NO_CACHE)
 def plan(store: str, extraction_id: str, layers: list[int], rules_id: str, batch_size: int) -> list[dict]:
     """Batches of prompts lacking some requested layer; each batch's prompt list stays in the store."""
-    batches = [asdict(b) for b in StoreDB(store).plan(extraction_id, list(layers), rules_id, batch_size)]
+    db = StoreDB(store)
+    swept = db.sweep_staging()
+    batches = [asdict(b) for b in db.plan(extraction_id, list(layers), rules_id, batch_size)]
     get_run_logger().info(
-        "plan: %d prompts to extract in %d batches", sum(b["num_prompts"] for b in batches), len(batches)
+        "plan: %d prompts to extract in %d batches%s",
+        sum(b["num_prompts"] for b in batches),
+        len(batches),
+        f" ({swept} stale unpublished files removed)" if swept else "",
     )
     return batches

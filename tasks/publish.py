@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+import pyarrow.parquet as pq
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -25,6 +27,16 @@ def quarantine(store: str, extraction_id: str, relpath: str) -> str | None:
     return str(target.relative_to(store))
 
 
+def _read_rows(path: str, layers: list[int], rows: list[int]) -> dict[int, np.ndarray]:
+    """The stored vectors of a few rows of a part, as float32, for the parity comparison."""
+    table = pq.read_table(path, columns=[checks.layer_column(layer) for layer in layers]).take(rows)
+    return {
+        layer: np.asarray(table.column(checks.layer_column(layer)).combine_chunks().flatten(), dtype=np.float32)
+        .reshape(len(rows), -1)
+        for layer in layers
+    }
+
+
 @task(name="validate-batch", cache_policy=NO_CACHE)
 def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings, parity: bool) -> dict:
     """Structural checks on every part; on the run's first part also a parity sample against Hugging Face.
@@ -35,30 +47,33 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
     logger = get_run_logger()
     if part["relpath"] is None:
         return {"batch_id": part["batch_id"], "checks": []}
-    db = StoreDB(store)
-    hashes, texts = db.batch_prompts(part["batch_id"])
-    kept = set(hashes) - set(part["rejected"])
-    order = [h for h in hashes if h in kept]
+    hashes, texts = StoreDB(store).batch_prompts(part["batch_id"])
+    rejected = part["rejected"]
+    kept = [(h, t) for h, t in zip(hashes, texts) if h not in rejected]
+    path = str(Path(store) / part["relpath"])
     done = []
     try:
-        checks.check_part(
-            store, part["relpath"], order, part["layers"], hidden_size=hidden_size, dtype=settings.dtype
-        )
+        checks.check_part(path, [h for h, _ in kept], part["layers"], hidden_size)
         done.append("part")
         if parity and settings.parity_sample > 0:
-            by_hash = dict(zip(hashes, texts))
+            rows = checks.parity_sample([h for h, _ in kept], settings.parity_sample)
             report = checks.parity_check(
-                store,
-                part["relpath"],
-                [(h, by_hash[h]) for h in order],
-                model_dir=settings.model,
-                layers=part["layers"],
-                pooling=settings.pooling,
-                dtype=settings.dtype,
-                sample=settings.parity_sample,
+                settings.model,
+                [kept[i][1] for i in rows],
+                _read_rows(path, part["layers"], rows),
+                part["layers"],
+                settings.pooling,
+                settings.dtype,
+                trust_remote_code=settings.trust_remote_code,
             )
-            done.append("parity")
-            logger.info("parity vs Hugging Face on batch %s: %s", part["batch_id"], report)
+            done.append(f"parity on {report.prompts} prompts")
+            logger.info(
+                "parity vs Hugging Face, batch %s: min cosine %.6f, max abs error %.2e over %d prompts",
+                part["batch_id"],
+                min(report.min_cosine.values()),
+                max(report.max_abs_error.values()),
+                report.prompts,
+            )
     except CheckFailed as exc:
         moved = quarantine(store, part["extraction_id"], part["relpath"])
         raise CheckFailed(

@@ -61,9 +61,10 @@ class VllmRunner:
         if options.dtype not in TORCH_DTYPES:
             raise EngineError(f"dtype: expected one of {', '.join(TORCH_DTYPES)}, got {options.dtype!r}")
         on_cpu = _on_cpu()
-        if on_cpu:
-            # In-process engine core: no second process to start, and hooks live where we can see them.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # Keep the engine core in this process: the capture pooler is installed by calling into the
+        # workers, which across a process boundary would need vLLM's pickle-based serialisation.
+        # Tensor-parallel workers still get their own processes from vLLM's executor.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from transformers import AutoTokenizer
         from vllm import LLM
 
