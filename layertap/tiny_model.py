@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 # Bumped whenever the recipe changes, so a cached build is rebuilt.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma")
 
@@ -71,6 +71,7 @@ def _config(arch: str, vocab_size: int, num_layers: int, hidden_size: int):
     if arch == "gemma":
         from transformers import GemmaConfig
 
+        common["tie_word_embeddings"] = True  # vLLM's Gemma, like every released Gemma, ties them
         return GemmaConfig(rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", **common)
     raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
 

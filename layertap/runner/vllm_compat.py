@@ -92,7 +92,10 @@ def _layer_input(args, kwargs) -> torch.Tensor:
 
 
 class LayerCapturePooler(nn.Module):
-    """Pooler that returns, per finished request, a [len(layers), hidden] tensor of pooled layer outputs.
+    """Pooler that yields, per finished request, its pooled outputs of the captured layers.
+
+    With a host `sink` set (engine in this process) vectors go straight into it and vLLM returns each
+    request's slot in the sink; otherwise each request's output is a [len(layers), hidden] tensor.
 
     Hooks write each captured layer's residual stream for the current step into one preallocated
     buffer; the pooler then gathers (last) or segment-sums (mean) rows with vLLM's own cursor.
@@ -108,6 +111,9 @@ class LayerCapturePooler(nn.Module):
             (len(self.hooked), spec.max_tokens, hidden_size), dtype=dtype, device=device
         )
         self.handles: list = []
+        # Host buffer [layers, prompts, hidden] of the current call, when the engine shares our process.
+        self.sink: torch.Tensor | None = None
+        self.sink_used = 0
 
     # --- vLLM's Pooler interface -------------------------------------------------------------
     def get_supported_tasks(self):
@@ -125,8 +131,35 @@ class LayerCapturePooler(nn.Module):
                  for layer in self.spec.layers]
         if self.spec.pooling == "last":
             rows = cursor.last_token_indices_gpu
-            return torch.stack([v.index_select(0, rows) for v in views], dim=1)
-        return self._mean(views, cursor, pooling_metadata.pooling_states)
+            pooled = torch.stack([v.index_select(0, rows) for v in views], dim=0)
+        else:
+            pooled = self._mean(views, cursor, pooling_metadata.pooling_states)
+        if self.sink is None:
+            return pooled.transpose(0, 1)
+        return self._to_sink(pooled, cursor)
+
+    def _to_sink(self, pooled: torch.Tensor, cursor) -> torch.Tensor:
+        """Copy finished requests' vectors straight into the caller's host buffer; return their slots.
+
+        vLLM then carries one integer per request instead of a [layers, hidden] tensor, and the host
+        buffer is already laid out layer by layer for the Parquet writer. The copies are asynchronous
+        (pinned memory) and ordered on the compute stream, so they overlap the next steps' compute.
+        """
+        finished = (cursor.prompt_lens_cpu == cursor.seq_lens_cpu).nonzero().flatten().tolist()
+        slots = [-1] * pooled.shape[1]
+        if finished:
+            start = self.sink_used
+            if start + len(finished) > self.sink.shape[1]:
+                raise EngineError(f"capture sink holds {self.sink.shape[1]} prompts; more finished")
+            rows = pooled
+            if len(finished) != pooled.shape[1]:
+                rows = pooled.index_select(1, torch.tensor(finished, device=pooled.device))
+            for layer_rows, target in zip(rows, self.sink):  # contiguous per layer: true async copies
+                target[start:start + len(finished)].copy_(layer_rows, non_blocking=True)
+            for offset, r in enumerate(finished):
+                slots[r] = start + offset
+            self.sink_used = start + len(finished)
+        return torch.tensor(slots, dtype=torch.int64).unsqueeze(1).to(pooled.device, non_blocking=True)
 
     def _mean(self, views, cursor, states) -> torch.Tensor:
         counts = cursor.num_scheduled_tokens_cpu
@@ -136,13 +169,16 @@ class LayerCapturePooler(nn.Module):
             torch.arange(num_reqs, device=device), counts.to(device=device, dtype=torch.long)
         )
         total = int(counts.sum())
-        sums = torch.zeros((num_reqs, len(views), views[0].shape[-1]), dtype=torch.float32, device=device)
+        sums = torch.zeros((len(views), num_reqs, views[0].shape[-1]), dtype=torch.float32, device=device)
         for i, view in enumerate(views):
-            sums[:, i].index_add_(0, segments, view[:total].float())
+            sums[i].index_add_(0, segments, view[:total].float())
         finished = (cursor.prompt_lens_cpu == cursor.seq_lens_cpu).tolist()
         for r in range(num_reqs):
+            if finished[r] and int(counts[r]) == int(cursor.prompt_lens_cpu[r]):
+                sums[:, r] /= int(counts[r])  # the whole prompt ran in this step: nothing to carry
+                continue
             cache = states[r].hidden_states_cache
-            cache.append((sums[r].clone(), int(counts[r])))
+            cache.append((sums[:, r].clone(), int(counts[r])))
             if finished[r]:
                 seen = sum(n for _, n in cache)
                 if seen != int(cursor.prompt_lens_cpu[r]):
@@ -150,7 +186,7 @@ class LayerCapturePooler(nn.Module):
                         f"mean pooling saw {seen} of {int(cursor.prompt_lens_cpu[r])} prompt tokens "
                         "(prefix caching must be off for mean pooling)"
                     )
-                sums[r] = torch.stack([s for s, _ in cache]).sum(0) / seen
+                sums[:, r] = torch.stack([s for s, _ in cache]).sum(0) / seen
                 cache.clear()
         return sums
 

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from layertap.errors import EngineError
 from layertap.model_fingerprint import read_model_info
@@ -103,6 +104,7 @@ class VllmRunner:
         self.max_model_len = config.model_config.max_model_len
         self.step_tokens = config.scheduler_config.max_num_batched_tokens
         self._capture: tuple[tuple[int, ...], str] | None = None
+        self._pooler = None
         self.capture_buffer_bytes = 0
 
     def _default_step_tokens(self) -> int:
@@ -117,6 +119,9 @@ class VllmRunner:
         sizes = self.llm.apply_model(lambda model: install_capture(model, spec))
         self.capture_buffer_bytes = max(sizes)
         self._capture = (layers, pooling)
+        # With one worker in this process the pooler object is ours to hand a host buffer to.
+        if self.options.tensor_parallel_size == 1:
+            self._pooler = self.llm.apply_model(lambda model: model.pooler)[0]
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=True)["input_ids"]
@@ -141,20 +146,46 @@ class VllmRunner:
         # Mean pooling needs every prompt token's hidden state, so it must not reuse cached prefixes.
         params = PoolingParams(task="embed", skip_reading_prefix_cache=pooling == "mean")
         prompts = [{"prompt_token_ids": token_ids[i]} for i in kept]
-        outputs = self.llm.encode(prompts, pooling_params=params, pooling_task="embed", use_tqdm=False)
+        sink = self._open_sink(len(layers), len(kept)) if self._pooler is not None else None
+        try:
+            outputs = self.llm.encode(prompts, pooling_params=params, pooling_task="embed", use_tqdm=False)
+        finally:
+            if sink is not None:
+                self._pooler.sink = None
         if len(outputs) != len(kept):
             raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(kept)} prompts")
-        stacked = np.empty((len(layers), len(kept), self.hidden_size), dtype=np.float32)
-        for row, (i, output) in enumerate(zip(kept, outputs)):
+        for i, output in zip(kept, outputs):
             if list(output.prompt_token_ids) != token_ids[i]:
                 raise EngineError(f"vLLM output {output.request_id} does not belong to prompt {i}")
-            data = output.outputs.data
-            if tuple(data.shape) != (len(layers), self.hidden_size):
-                raise EngineError(f"capture returned shape {tuple(data.shape)}, expected "
-                                  f"{(len(layers), self.hidden_size)}")
-            stacked[:, row] = data.float().numpy()
-        vectors = {layer: stacked[j] for j, layer in enumerate(layers)}
-        return Extraction(vectors, kept, rejected, num_tokens=sum(len(token_ids[i]) for i in kept))
+        num_tokens = sum(len(token_ids[i]) for i in kept)
+        if sink is None:
+            stacked = torch.stack([output.outputs.data for output in outputs], dim=1).float().numpy()
+            return Extraction(self._by_layer(stacked, layers), kept, rejected, num_tokens)
+        # Each output names the sink slot its vectors were copied to; rows stay in slot order and
+        # `kept` is permuted to match, so no host-side gather of the vectors is needed.
+        slots = torch.cat([output.outputs.data.flatten() for output in outputs]).tolist()
+        if sorted(slots) != list(range(len(kept))):
+            raise EngineError("capture slots do not cover every prompt exactly once")
+        order = [0] * len(kept)
+        for i, slot in zip(kept, slots):
+            order[slot] = i
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the asynchronous copies into the sink
+        stacked = sink.numpy() if sink.dtype == torch.float32 else sink.float().numpy()
+        return Extraction(self._by_layer(stacked, layers), order, rejected, num_tokens)
+
+    def _by_layer(self, stacked: np.ndarray, layers: tuple[int, ...]) -> dict[int, np.ndarray]:
+        if stacked.shape[0] != len(layers) or stacked.shape[2] != self.hidden_size:
+            raise EngineError(f"capture returned shape {stacked.shape}, expected "
+                              f"({len(layers)}, n, {self.hidden_size})")
+        return {layer: stacked[j] for j, layer in enumerate(layers)}
+
+    def _open_sink(self, num_layers: int, num_prompts: int) -> torch.Tensor:
+        """A fresh host buffer for this call (pinned on a GPU, from torch's caching host allocator)."""
+        sink = torch.empty((num_layers, num_prompts, self.hidden_size), dtype=torch.float32,
+                           pin_memory=torch.cuda.is_available())
+        self._pooler.sink, self._pooler.sink_used = sink, 0
+        return sink
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
