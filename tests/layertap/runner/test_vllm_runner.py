@@ -92,10 +92,11 @@ def test_unknown_vllm_shape_is_a_clear_error(monkeypatch):
 def test_per_request_tensor_path_used_across_processes(engines, references):
     """Tensor-parallel workers live in other processes: vectors then travel in vLLM's own outputs."""
     runner = engines("llama")
+    prompts = varied_prompts(30, seed=4)
+    layers = [0, 1, runner.num_layers]
+    runner.extract(prompts[:1], layers, "mean")  # installs the capture for these layers
     pooler, runner._pooler = runner._pooler, None
     try:
-        prompts = varied_prompts(30, seed=4)
-        layers = [0, 1, runner.num_layers]
         ours = runner.extract(prompts, layers, "mean")
         assert ours.kept == list(range(len(prompts)))
         assert_parity(ours, references("llama").extract(prompts, layers, "mean"), layers)
