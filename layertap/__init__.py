@@ -1,0 +1,3 @@
+from layertap.store import Store
+
+__all__ = ["Store"]

@@ -1,0 +1,669 @@
+"""The store: one DuckDB file that tracks rows, prompts, plans and published parts, beside the Parquet parts.
+
+Every set-shaped step (ingest, normalise, dedup, plan, ledger) is a single SQL statement over whole tables,
+so a million rows cost seconds and Python only moves ids and counts. `StoreDB` is the writer the pipeline
+uses; `Store` is the read-only view users open. Connections are short-lived (one per operation) because
+DuckDB lets only one process hold a database file for writing.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from layertap.errors import InputError, StoreError
+from layertap.normalise import REJECT_EMPTY, REJECT_NULL, NormaliseRules
+from layertap.writer import layer_column
+
+SCHEMA_VERSION = "1"
+DB_NAME = "layertap.duckdb"
+LOCK_WAIT_S = 30.0
+
+# Columns of random hex hashes are stored uncompressed: compressing them saves half their size but makes
+# writing them about six times slower, and the store writes a million of them per million input rows.
+_HASH = "VARCHAR USING COMPRESSION uncompressed"
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL);
+CREATE TABLE IF NOT EXISTS sources (
+    source VARCHAR PRIMARY KEY, fingerprint VARCHAR NOT NULL, text_column VARCHAR NOT NULL,
+    num_rows BIGINT NOT NULL, ingested_at TIMESTAMPTZ NOT NULL);
+CREATE TABLE IF NOT EXISTS rows (source VARCHAR NOT NULL, row_number BIGINT NOT NULL, raw_text VARCHAR);
+CREATE TABLE IF NOT EXISTS row_prompts (
+    rules_id VARCHAR NOT NULL, source VARCHAR NOT NULL, row_number BIGINT NOT NULL,
+    prompt_hash {_HASH}, reject_reason VARCHAR);
+CREATE TABLE IF NOT EXISTS prompts (prompt_hash {_HASH} NOT NULL, text VARCHAR NOT NULL);
+CREATE TABLE IF NOT EXISTS extractions (
+    extraction_id VARCHAR PRIMARY KEY, model_fingerprint VARCHAR NOT NULL, model_path VARCHAR NOT NULL,
+    pooling VARCHAR NOT NULL, dtype VARCHAR NOT NULL, rules_id VARCHAR NOT NULL,
+    hidden_size INTEGER NOT NULL, num_layers INTEGER NOT NULL, created_at TIMESTAMPTZ NOT NULL);
+CREATE TABLE IF NOT EXISTS prompt_rejects (
+    extraction_id VARCHAR NOT NULL, prompt_hash VARCHAR NOT NULL, reason VARCHAR NOT NULL);
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id VARCHAR PRIMARY KEY, extraction_id VARCHAR NOT NULL, layers INTEGER[] NOT NULL,
+    prompt_hashes_digest VARCHAR NOT NULL, num_prompts BIGINT NOT NULL, created_at TIMESTAMPTZ NOT NULL);
+CREATE TABLE IF NOT EXISTS planned (batch_id VARCHAR NOT NULL, ord INTEGER NOT NULL, prompt_hash {_HASH} NOT NULL);
+CREATE TABLE IF NOT EXISTS parts (
+    part_id VARCHAR PRIMARY KEY, extraction_id VARCHAR NOT NULL, path VARCHAR NOT NULL,
+    layers INTEGER[] NOT NULL, num_prompts BIGINT NOT NULL, created_at TIMESTAMPTZ NOT NULL);
+CREATE TABLE IF NOT EXISTS part_prompts (part_id VARCHAR NOT NULL, prompt_hash {_HASH} NOT NULL);
+"""
+# The big tables (rows, row_prompts, prompts, planned, part_prompts) have no keys on purpose: a key index on
+# 700k random hashes doubles the cost of inserting them. The anti-joins that insert them keep them unique.
+
+_READERS = {
+    ".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".jsonl": "json", ".ndjson": "json", ".json": "json"
+}
+
+# Prompts that still lack a requested layer: `todo(prompt_hash, missing)`, where `missing` is the lacking
+# layers as text ("3,7") or NULL for all of them, the common case, kept NULL so sorting by it stays cheap.
+# Parts holding every requested layer settle their prompts with one anti-join; only prompts in narrower
+# parts get per-layer bookkeeping. Parameters: $rules, $eid, $layers (sorted, distinct).
+_TODO_CTES = """
+want AS (SELECT DISTINCT prompt_hash FROM row_prompts WHERE rules_id = $rules AND prompt_hash IS NOT NULL),
+refused AS (SELECT prompt_hash, reason FROM prompt_rejects WHERE extraction_id = $eid),
+hits AS (
+    SELECT part_id, list_has_all(layers, $layers) AS whole, list_intersect(layers, $layers) AS got
+    FROM parts WHERE extraction_id = $eid AND list_has_any(layers, $layers)),
+done AS (SELECT DISTINCT prompt_hash FROM part_prompts JOIN hits USING (part_id) WHERE whole),
+partly AS (
+    SELECT prompt_hash, flatten(list(got)) AS got
+    FROM part_prompts JOIN hits USING (part_id) WHERE NOT whole GROUP BY prompt_hash),
+todo AS (
+    SELECT * FROM (
+        SELECT w.prompt_hash,
+               CASE WHEN p.got IS NOT NULL
+                    THEN array_to_string(list_filter($layers, lambda l: NOT list_contains(p.got, l)), ',') END
+               AS missing
+        FROM want w ANTI JOIN done d ON w.prompt_hash = d.prompt_hash
+             ANTI JOIN refused r ON w.prompt_hash = r.prompt_hash
+             LEFT JOIN partly p ON w.prompt_hash = p.prompt_hash)
+    WHERE missing IS NULL OR missing <> '')
+"""
+
+# One row per input row. The first row of a prompt (smallest (source, row_number)) carries its fate; later
+# rows with the same prompt are duplicates. Rows of a prompt the engine refused are all rejected.
+_LEDGER_SQL = f"""
+WITH {_TODO_CTES},
+joined AS (
+    SELECT r.source, r.row_number, rp.prompt_hash, rp.reject_reason, rp.source IS NULL AS unseen,
+           row_number() OVER (PARTITION BY rp.prompt_hash ORDER BY r.source, r.row_number) AS k
+    FROM rows r LEFT JOIN row_prompts rp
+         ON rp.rules_id = $rules AND rp.source = r.source AND rp.row_number = r.row_number)
+SELECT j.source, j.row_number,
+       CASE WHEN j.reject_reason IS NOT NULL OR x.reason IS NOT NULL THEN 'rejected'
+            WHEN j.unseen THEN 'pending'
+            WHEN j.k > 1 THEN 'duplicate'
+            WHEN t.prompt_hash IS NOT NULL THEN 'pending'
+            ELSE 'embedded' END AS status,
+       coalesce(j.reject_reason, x.reason) AS reason,
+       j.prompt_hash
+FROM joined j LEFT JOIN refused x ON j.prompt_hash = x.prompt_hash
+     LEFT JOIN todo t ON j.prompt_hash = t.prompt_hash
+"""
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    sources_read: int
+    sources_skipped: int
+    rows_total: int
+    rows_new: int
+
+
+@dataclass(frozen=True)
+class NormaliseReport:
+    """`rows` = `new_prompts` + `duplicates` + sum(`rejected`) for the rows normalised by this call."""
+
+    rows: int
+    new_prompts: int
+    duplicates: int
+    rejected: dict[str, int]
+
+
+@dataclass(frozen=True)
+class ExtractionKey:
+    """What makes results comparable; `extraction_id` hashes the four fields that change the vectors."""
+
+    model_fingerprint: str
+    model_path: str
+    pooling: str
+    dtype: str
+    rules_id: str
+    hidden_size: int
+    num_layers: int
+
+    @property
+    def extraction_id(self) -> str:
+        canon = json.dumps(
+            {"model_fingerprint": self.model_fingerprint, "pooling": self.pooling, "dtype": self.dtype,
+             "rules_id": self.rules_id},
+            sort_keys=True, separators=(",", ":"),
+        )
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class WorkBatch:
+    """A unit of extraction; the prompts live in the `planned` table so tasks pass only the id.
+
+    `prompt_hashes_digest` is the sha256 hex of the batch's prompt hashes joined by "," in order.
+    """
+
+    batch_id: str
+    extraction_id: str
+    layers: list[int]
+    prompt_hashes_digest: str
+    num_prompts: int
+
+
+def _quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+def _connect(db_path: Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """Wait out a lock held by another process, or a connection of the other mode in this one."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    delay = 0.02
+    while True:
+        try:
+            con = duckdb.connect(str(db_path), read_only=read_only)
+            con.execute("SET enable_progress_bar = false")  # a library must not draw on the caller's terminal
+            return con
+        except (duckdb.IOException, duckdb.ConnectionException) as exc:
+            busy = "lock" in str(exc).lower() or "different configuration" in str(exc)
+            if not busy or time.monotonic() > deadline:
+                raise StoreError(f"{db_path}: cannot open the store: {_first_line(exc)}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+def _one(con: duckdb.DuckDBPyConnection, sql: str, params: list | dict | None = None) -> tuple | None:
+    """First row or None; reads the whole result, since DuckDB refuses new work while one is unfinished."""
+    rows = con.execute(sql, params).fetchall()
+    return rows[0] if rows else None
+
+
+def _check_version(con: duckdb.DuckDBPyConnection, db_path: Path) -> None:
+    found = _one(con, "SELECT value FROM meta WHERE key = 'schema_version'")
+    if found is None or found[0] != SCHEMA_VERSION:
+        version = found[0] if found else "unknown"
+        raise StoreError(
+            f"{db_path}: store has schema version {version}; this layertap needs {SCHEMA_VERSION}"
+        )
+
+
+def _sorted_layers(layers: list[int]) -> list[int]:
+    out = sorted({int(layer) for layer in layers})
+    if not out:
+        raise ValueError("at least one layer is needed")
+    return out
+
+
+def _expand_inputs(paths: list[str]) -> list[str]:
+    """Absolute paths of the input files, globs expanded (sorted, files only), duplicates dropped."""
+    files: list[str] = []
+    for given in paths:
+        pattern = os.path.expanduser(str(given))
+        if any(c in pattern for c in "*?["):
+            matches = sorted(m for m in glob.glob(pattern, recursive=True) if os.path.isfile(m))
+            if not matches:
+                raise InputError(f"{given}: no file matches this pattern")
+        elif os.path.isfile(pattern):
+            matches = [pattern]
+        else:
+            raise InputError(f"{given}: no such file")
+        for match in matches:
+            if Path(match).suffix.lower() not in _READERS:
+                raise InputError(f"{match}: unsupported file type (use {', '.join(_READERS)})")
+            files.append(os.path.realpath(match))
+    return list(dict.fromkeys(files))
+
+
+def _file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _row_source_sql(con: duckdb.DuckDBPyConnection, path: str, text_column: str) -> tuple[str, dict]:
+    """SQL yielding (row_number, text) for one file, after checking it is readable and has the column.
+
+    Row numbers follow file order: WITH ORDINALITY runs as an order-preserving streaming window over the
+    scan. CSV has no NULL, so an empty cell is '' (rejected as empty); a JSON or Parquet null stays NULL
+    (rejected as null text), and other JSON/Parquet values are cast to text.
+    """
+    kind = _READERS[Path(path).suffix.lower()]
+    params: dict = {"path": path}
+    if kind == "csv":
+        options = "header = true, all_varchar = true"
+        if path.lower().endswith(".tsv"):
+            options += ", delim = $delim"
+            params["delim"] = "\t"
+        scan = f"read_csv($path, {options})"
+    elif kind == "parquet":
+        scan = "read_parquet($path, binary_as_string = true, file_row_number = true)"
+    else:
+        scan = "read_json($path)"
+    try:
+        columns = [row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {scan}", params).fetchall()]
+    except duckdb.Error as exc:
+        raise InputError(f"{path}: cannot read as {kind}: {_first_line(exc)}") from None
+    if text_column not in columns:
+        raise InputError(f"{path}: no column {text_column!r} (columns: {', '.join(columns)})")
+    col = _quote_ident(text_column)
+    if kind == "csv":
+        sql = f"SELECT ordinality - 1 AS row_number, coalesce({col}, '') AS text FROM {scan} WITH ORDINALITY"
+    elif kind == "parquet":
+        sql = f"SELECT file_row_number AS row_number, CAST({col} AS VARCHAR) AS text FROM {scan}"
+    else:
+        params["columns"] = {text_column: "VARCHAR"}
+        sql = (
+            f"SELECT ordinality - 1 AS row_number, {col} AS text "
+            "FROM read_json($path, columns = $columns) WITH ORDINALITY"
+        )
+    return sql, params
+
+
+class StoreDB:
+    """Writer side of the store, used by the pipeline's tasks."""
+
+    _publish_lock = threading.Lock()
+
+    def __init__(self, store_dir: str | os.PathLike) -> None:
+        self.root = Path(store_dir).expanduser().resolve()
+        self.db_path = self.root / DB_NAME
+        for sub in ("parts", "staging"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        with self._connect() as con:
+            con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)")
+            if _one(con, "SELECT count(*) FROM meta")[0] == 0:
+                con.execute(_SCHEMA)
+                con.execute(
+                    "INSERT INTO meta VALUES ('schema_version', ?), ('store_uuid', ?)",
+                    [SCHEMA_VERSION, str(uuid.uuid4())],
+                )
+            _check_version(con, self.db_path)
+            self.store_uuid = _one(con, "SELECT value FROM meta WHERE key = 'store_uuid'")[0]
+
+    def _connect(self) -> duckdb.DuckDBPyConnection:
+        return _connect(self.db_path)
+
+    def ingest(self, paths: list[str], text_column: str) -> IngestReport:
+        """Record every row of the given files; unchanged files are skipped, changed ones replace their rows.
+
+        All files are checked (readable, has the column) before any is written, so a typo fails fast.
+        """
+        files = _expand_inputs(paths)
+        read = skipped = total = new = 0
+        with self._connect() as con:
+            changed = []
+            for path in files:
+                fingerprint = _file_sha256(path)
+                known = _one(
+                    con, "SELECT fingerprint, text_column, num_rows FROM sources WHERE source = ?", [path]
+                )
+                if known is not None and known[:2] == (fingerprint, text_column):
+                    skipped += 1
+                    total += known[2]
+                else:
+                    changed.append((path, fingerprint, *_row_source_sql(con, path, text_column)))
+            for path, fingerprint, sql, params in changed:
+                con.begin()
+                try:
+                    con.execute("DELETE FROM rows WHERE source = $path", {"path": path})
+                    con.execute("DELETE FROM row_prompts WHERE source = $path", {"path": path})
+                    n = _one(con, f"INSERT INTO rows SELECT $path, row_number, text FROM ({sql})", params)[0]
+                    con.execute(
+                        "INSERT OR REPLACE INTO sources VALUES (?, ?, ?, ?, now())",
+                        [path, fingerprint, text_column, n],
+                    )
+                    con.commit()
+                except duckdb.Error as exc:
+                    con.rollback()
+                    raise InputError(f"{path}: cannot read: {_first_line(exc)}") from None
+                read += 1
+                total += n
+                new += n
+        return IngestReport(sources_read=read, sources_skipped=skipped, rows_total=total, rows_new=new)
+
+    def normalise(self, rules: NormaliseRules) -> NormaliseReport:
+        """Give every row not yet seen under these rules its prompt (or reject reason); add new prompts.
+
+        New prompts are inserted sorted by hash: a batch is a run of consecutive hashes, so its prompts sit
+        in one or two row groups and `batch_prompts` reads those instead of the whole table.
+        """
+        with self._connect() as con:
+            con.begin()
+            con.execute(
+                f"""CREATE TEMP TABLE fresh AS
+                SELECT source, row_number, text, CASE WHEN text <> '' THEN sha256(text) END AS prompt_hash
+                FROM (SELECT r.source, r.row_number, {rules.sql("r.raw_text")} AS text
+                      FROM rows r ANTI JOIN (SELECT source, row_number FROM row_prompts WHERE rules_id = $rules) d
+                      ON r.source = d.source AND r.row_number = d.row_number)""",
+                {"rules": rules.rules_id},
+            )
+            con.execute(
+                """INSERT INTO row_prompts
+                SELECT $rules, source, row_number, prompt_hash,
+                       CASE WHEN text IS NULL THEN $null WHEN text = '' THEN $empty END
+                FROM fresh""",
+                {"rules": rules.rules_id, "null": REJECT_NULL, "empty": REJECT_EMPTY},
+            )
+            new_prompts = _one(
+                con,
+                """INSERT INTO prompts
+                SELECT prompt_hash, any_value(text) FROM fresh f
+                WHERE prompt_hash IS NOT NULL
+                  AND NOT EXISTS (SELECT 1 FROM prompts p WHERE p.prompt_hash = f.prompt_hash)
+                GROUP BY prompt_hash ORDER BY prompt_hash""",
+            )[0]
+            rows, nulls, empties = _one(
+                con, "SELECT count(*), count(*) FILTER (text IS NULL), count(*) FILTER (text = '') FROM fresh"
+            )
+            con.commit()
+        rejected = {reason: n for reason, n in ((REJECT_NULL, nulls), (REJECT_EMPTY, empties)) if n}
+        return NormaliseReport(
+            rows=rows, new_prompts=new_prompts, duplicates=rows - nulls - empties - new_prompts, rejected=rejected
+        )
+
+    def register_extraction(self, key: ExtractionKey) -> str:
+        """Idempotent; refuses a key whose model shape disagrees with what was recorded for it."""
+        eid = key.extraction_id
+        with self._connect() as con:
+            known = _one(con, "SELECT hidden_size, num_layers FROM extractions WHERE extraction_id = ?", [eid])
+            if known is None:
+                con.execute(
+                    "INSERT INTO extractions VALUES (?, ?, ?, ?, ?, ?, ?, ?, now())",
+                    [eid, key.model_fingerprint, key.model_path, key.pooling, key.dtype, key.rules_id,
+                     key.hidden_size, key.num_layers],
+                )
+            elif known != (key.hidden_size, key.num_layers):
+                raise StoreError(
+                    f"extraction {eid} was recorded with hidden_size={known[0]}, num_layers={known[1]}; "
+                    f"got {key.hidden_size}, {key.num_layers}"
+                )
+        return eid
+
+    def _extraction_rules(self, con: duckdb.DuckDBPyConnection, extraction_id: str) -> tuple[str, int]:
+        found = _one(con, "SELECT rules_id, num_layers FROM extractions WHERE extraction_id = ?", [extraction_id])
+        if found is None:
+            raise StoreError(f"unknown extraction {extraction_id}")
+        return found
+
+    def plan(self, extraction_id: str, layers: list[int], rules_id: str, batch_size: int) -> list[WorkBatch]:
+        """Batches of prompts lacking some requested layer, grouped by the set of layers they lack.
+
+        Batch ids hash the extraction, the layers and the prompt list, so planning the same work twice
+        gives the same batches (and the same Prefect cache keys).
+        """
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        layers = _sorted_layers(layers)
+        params = {"rules": rules_id, "eid": extraction_id, "layers": layers}
+        with self._connect() as con:
+            if self._extraction_rules(con, extraction_id)[0] != rules_id:
+                raise StoreError(f"extraction {extraction_id} was registered with other normalisation rules")
+            con.begin()
+            con.execute(
+                f"""CREATE TEMP TABLE plan AS
+                WITH {_TODO_CTES},
+                numbered AS (
+                    SELECT missing, prompt_hash,
+                           row_number() OVER (ORDER BY missing NULLS FIRST, prompt_hash) AS rn
+                    FROM todo),
+                starts AS (SELECT missing, min(rn) AS start FROM numbered GROUP BY missing)
+                SELECT n.missing, (rn - start) // $size AS chunk, CAST((rn - start) % $size AS INTEGER) AS ord,
+                       prompt_hash
+                FROM numbered n JOIN starts s ON n.missing IS NOT DISTINCT FROM s.missing""",
+                {**params, "size": batch_size},
+            )
+            con.execute(
+                """CREATE TEMP TABLE plan_batches AS
+                SELECT substr(sha256(concat_ws(':', $eid, array_to_string(layers, ','), digest)), 1, 16)
+                       AS batch_id, *
+                FROM (SELECT missing, chunk, count(*) AS num_prompts,
+                             coalesce(string_split(missing, ',')::INTEGER[], $layers) AS layers,
+                             sha256(string_agg(prompt_hash, ',' ORDER BY ord)) AS digest
+                      FROM plan GROUP BY missing, chunk)""",
+                {"eid": extraction_id, "layers": layers},
+            )
+            con.execute(
+                """INSERT INTO planned
+                SELECT b.batch_id, p.ord, p.prompt_hash
+                FROM plan p JOIN (SELECT * FROM plan_batches ANTI JOIN batches USING (batch_id)) b
+                     ON p.missing IS NOT DISTINCT FROM b.missing AND p.chunk = b.chunk
+                ORDER BY b.batch_id, p.ord"""
+            )
+            con.execute(
+                """INSERT INTO batches
+                SELECT batch_id, $eid, layers, digest, num_prompts, now()
+                FROM plan_batches ANTI JOIN batches USING (batch_id)""",
+                {"eid": extraction_id},
+            )
+            found = con.execute(
+                "SELECT batch_id, layers, digest, num_prompts FROM plan_batches "
+                "ORDER BY missing NULLS FIRST, chunk"
+            ).fetchall()
+            con.commit()
+        return [WorkBatch(bid, extraction_id, list(lay), digest, n) for bid, lay, digest, n in found]
+
+    def batch_prompts(self, batch_id: str) -> tuple[list[str], list[str]]:
+        """(prompt hashes, normalised texts) of a planned batch, in plan order."""
+        with self._connect() as con:
+            found = con.execute(
+                """SELECT p.prompt_hash, t.text FROM planned p JOIN prompts t ON p.prompt_hash = t.prompt_hash
+                WHERE p.batch_id = ? ORDER BY p.ord""",
+                [batch_id],
+            ).fetchall()
+        if not found:
+            raise StoreError(f"unknown batch {batch_id}")
+        return [h for h, _ in found], [t for _, t in found]
+
+    def publish_part(
+        self, extraction_id: str, part_id: str, relpath: str, layers: list[int], prompt_hashes: list[str]
+    ) -> None:
+        """Make a written part visible, in one transaction; refuses any (prompt, layer) already published."""
+        layers = _sorted_layers(layers)
+        if not prompt_hashes or len(set(prompt_hashes)) != len(prompt_hashes):
+            raise StoreError(f"part {part_id}: prompt hashes must be non-empty and distinct")
+        if not (self.root / relpath).is_file():
+            raise StoreError(f"part {part_id}: {relpath} is not a file in the store")
+        new = pa.table({"prompt_hash": pa.array(prompt_hashes, pa.string())})
+        with self._publish_lock, self._connect() as con:
+            num_layers = self._extraction_rules(con, extraction_id)[1]
+            if layers[0] < 0 or layers[-1] > num_layers:
+                raise StoreError(f"part {part_id}: layers must be within 0..{num_layers}, got {layers}")
+            con.register("new_part", new)
+            con.begin()
+            if _one(con, "SELECT count(*) FROM parts WHERE part_id = ?", [part_id])[0]:
+                raise StoreError(f"part {part_id} is already published")
+            unknown = _one(con, "SELECT count(*) FROM new_part n ANTI JOIN prompts p USING (prompt_hash)")[0]
+            if unknown:
+                raise StoreError(f"part {part_id}: {unknown} prompt hashes are not in the store")
+            clash = _one(
+                con,
+                """SELECT count(*) FROM new_part n JOIN part_prompts pp ON n.prompt_hash = pp.prompt_hash
+                JOIN parts p ON pp.part_id = p.part_id
+                WHERE p.extraction_id = $eid AND list_has_any(p.layers, $layers)""",
+                {"eid": extraction_id, "layers": layers},
+            )[0]
+            if clash:
+                raise StoreError(f"part {part_id}: {clash} prompts already have some of layers {layers}")
+            con.execute(
+                "INSERT INTO parts VALUES (?, ?, ?, ?, ?, now())",
+                [part_id, extraction_id, relpath, layers, len(prompt_hashes)],
+            )
+            con.execute("INSERT INTO part_prompts SELECT ?, prompt_hash FROM new_part", [part_id])
+            con.commit()
+
+    def reject_prompts(self, extraction_id: str, reasons: dict[str, str]) -> int:
+        """Record prompts the engine refused (e.g. too long), so plans skip them and the ledger says why."""
+        if not reasons:
+            return 0
+        table = pa.table({"prompt_hash": list(reasons), "reason": list(reasons.values())})
+        with self._connect() as con:
+            con.register("refused", table)
+            return _one(
+                con,
+                """INSERT INTO prompt_rejects
+                SELECT $eid, r.prompt_hash, r.reason FROM refused r
+                WHERE NOT EXISTS (SELECT 1 FROM prompt_rejects x
+                                  WHERE x.extraction_id = $eid AND x.prompt_hash = r.prompt_hash)""",
+                {"eid": extraction_id},
+            )[0]
+
+    def ledger_counts(self, rules_id: str, extraction_id: str | None, layers: list[int]) -> dict:
+        """Rows per status, plus rejected rows per reason: {"rows", "embedded", "duplicate", "rejected",
+        "pending", "reasons": {reason: n}}. The four statuses always add up to "rows"."""
+        params = {"rules": rules_id, "eid": extraction_id, "layers": _sorted_layers(layers)}
+        with self._connect() as con:
+            found = con.execute(
+                f"SELECT status, reason, count(*) FROM ({_LEDGER_SQL}) GROUP BY ALL", params
+            ).fetchall()
+        counts = {"rows": 0, "embedded": 0, "duplicate": 0, "rejected": 0, "pending": 0, "reasons": {}}
+        for status, reason, n in found:
+            counts["rows"] += n
+            counts[status] += n
+            if reason is not None:
+                counts["reasons"][reason] = counts["reasons"].get(reason, 0) + n
+        return counts
+
+    def sweep_staging(self, min_age_s: float = 3600.0) -> int:
+        """Delete files no reader can see: staged leftovers and unpublished parts older than `min_age_s`.
+
+        The age guard keeps files of batches still being written or about to be published.
+        """
+        with self._connect() as con:
+            published = {row[0] for row in con.execute("SELECT path FROM parts").fetchall()}
+        cutoff = time.time() - min_age_s
+        removed = 0
+        for path in [*(self.root / "staging").rglob("*"), *(self.root / "parts").rglob("*")]:
+            relpath = path.relative_to(self.root).as_posix()
+            if path.is_file() and relpath not in published and path.stat().st_mtime < cutoff:
+                path.unlink()
+                removed += 1
+        return removed
+
+
+class Store:
+    """Read-only view of a store: embeddings per layer, the ledger, and what has been extracted.
+
+    Keyword filters (model = path or fingerprint, pooling, dtype, rules_id) pick one extraction when the
+    store holds several.
+    """
+
+    def __init__(self, store_dir: str | os.PathLike) -> None:
+        self.root = Path(store_dir).expanduser().resolve()
+        self.db_path = self.root / DB_NAME
+        if not self.db_path.is_file():
+            raise StoreError(f"{self.root}: not a layertap store (no {DB_NAME})")
+        with self._connect() as con:
+            _check_version(con, self.db_path)
+            self.store_uuid = _one(con, "SELECT value FROM meta WHERE key = 'store_uuid'")[0]
+
+    def _connect(self) -> duckdb.DuckDBPyConnection:
+        return _connect(self.db_path, read_only=True)
+
+    def extractions(self) -> pa.Table:
+        """One row per extraction key, with the layers that have published results."""
+        with self._connect() as con:
+            return con.sql(
+                """SELECT e.extraction_id, e.model_path, e.model_fingerprint, e.pooling, e.dtype, e.rules_id,
+                       e.hidden_size, e.num_layers,
+                       list_sort(list_distinct(flatten(list(p.layers) FILTER (p.layers IS NOT NULL)))) AS layers,
+                       e.created_at
+                FROM extractions e LEFT JOIN parts p USING (extraction_id)
+                GROUP BY ALL ORDER BY e.created_at, e.extraction_id"""
+            ).to_arrow_table()
+
+    def _pick(
+        self, con: duckdb.DuckDBPyConnection, model: str | None, pooling: str | None, dtype: str | None,
+        rules_id: str | None,
+    ) -> tuple[str, int, str, list[int]]:
+        """(extraction_id, num_layers, rules_id, layers with results) of the one matching extraction."""
+        found = con.execute(
+            """SELECT e.extraction_id, e.num_layers, e.rules_id,
+                      list_sort(list_distinct(flatten(list(p.layers) FILTER (p.layers IS NOT NULL)))),
+                      e.model_path, e.pooling, e.dtype
+            FROM extractions e LEFT JOIN parts p USING (extraction_id)
+            WHERE ($model IS NULL OR e.model_fingerprint = $model OR e.model_path IN ($model, $model_abs))
+              AND ($pooling IS NULL OR e.pooling = $pooling) AND ($dtype IS NULL OR e.dtype = $dtype)
+              AND ($rules IS NULL OR e.rules_id = $rules)
+            GROUP BY ALL""",
+            {"model": model, "model_abs": os.path.abspath(model) if model else None,
+             "pooling": pooling, "dtype": dtype, "rules": rules_id},
+        ).fetchall()
+        if not found:
+            raise StoreError(f"{self.root}: no extraction matches")
+        if len(found) > 1:
+            listed = "; ".join(f"model={m} pooling={p} dtype={d} rules_id={r}" for _, _, r, _, m, p, d in found)
+            raise StoreError(f"{self.root}: several extractions match ({listed}); pass model/pooling/dtype/rules_id")
+        eid, num_layers, rules_id, layers = found[0][:4]
+        return eid, num_layers, rules_id, list(layers or [])
+
+    def layers(
+        self, *, model: str | None = None, pooling: str | None = None, dtype: str | None = None,
+        rules_id: str | None = None,
+    ) -> list[int]:
+        """Layers with at least one published result."""
+        with self._connect() as con:
+            return self._pick(con, model, pooling, dtype, rules_id)[3]
+
+    def embeddings(
+        self, layer: int, *, model: str | None = None, pooling: str | None = None, dtype: str | None = None,
+        rules_id: str | None = None,
+    ) -> pa.Table:
+        """prompt_hash, text, embedding for one layer (negative counts from the end), sorted by prompt_hash.
+
+        Reads only the prompt_hash and layer_{L} column chunks of each part, never other layers' bytes.
+        """
+        with self._connect() as con:
+            eid, num_layers, _, _ = self._pick(con, model, pooling, dtype, rules_id)
+            layer = layer + num_layers + 1 if layer < 0 else layer
+            found = con.execute(
+                "SELECT path FROM parts WHERE extraction_id = ? AND list_contains(layers, ?) ORDER BY part_id",
+                [eid, layer],
+            ).fetchall()
+            paths = [row[0] for row in found]
+            if not paths:
+                raise StoreError(f"{self.root}: layer {layer} has no results for extraction {eid}")
+            column = layer_column(layer)
+            vectors = pa.concat_tables(
+                pq.ParquetFile(self.root / path).read(columns=["prompt_hash", column]) for path in paths
+            )
+            con.register("wanted", vectors.select(["prompt_hash"]))
+            texts = con.sql("SELECT prompt_hash, text FROM prompts SEMI JOIN wanted USING (prompt_hash)")
+            texts = texts.to_arrow_table()
+        text = texts["text"].take(pc.index_in(vectors["prompt_hash"], value_set=texts["prompt_hash"]))
+        table = pa.table({"prompt_hash": vectors["prompt_hash"], "text": text, "embedding": vectors[column]})
+        return table.sort_by("prompt_hash")
+
+    def ledger(
+        self, layers: list[int] | None = None, *, model: str | None = None, pooling: str | None = None,
+        dtype: str | None = None, rules_id: str | None = None,
+    ) -> pa.Table:
+        """One row per input row: source, row_number, status (embedded|duplicate|rejected|pending), reason,
+        prompt_hash. `layers` defaults to every layer with results (every layer if none has any yet)."""
+        with self._connect() as con:
+            eid, num_layers, rules_id, published = self._pick(con, model, pooling, dtype, rules_id)
+            layers = _sorted_layers(layers or published or range(num_layers + 1))
+            return con.sql(
+                f"{_LEDGER_SQL} ORDER BY j.source, j.row_number",
+                params={"rules": rules_id, "eid": eid, "layers": layers},
+            ).to_arrow_table()

@@ -1,0 +1,79 @@
+"""Parquet parts: one file per batch, durable on disk before the store's manifest may point at it.
+
+A part is written under staging/, flushed and fsynced, then renamed into parts/<extraction_id>/ and the
+directory fsynced, so a crash leaves either no part or a whole one, never a torn file behind a committed
+manifest row. One column per layer lets readers fetch a single layer without touching the others.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# bfloat16 vectors are stored as float32, which holds every bfloat16 value exactly (Arrow has no bfloat16).
+_STORAGE = {"float32": np.float32, "bfloat16": np.float32, "float16": np.float16}
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def layer_column(layer: int) -> str:
+    return f"layer_{layer}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _part_table(prompt_hashes: list[str], vectors: dict[int, np.ndarray], dtype: str) -> pa.Table:
+    """prompt_hash plus one fixed_size_list<float, H> column per layer, in layer order."""
+    if dtype not in _STORAGE:
+        raise ValueError(f"dtype must be one of {', '.join(_STORAGE)}, got {dtype!r}")
+    arrays = {layer: np.ascontiguousarray(vectors[layer], dtype=_STORAGE[dtype]) for layer in sorted(vectors)}
+    shapes = {a.shape for a in arrays.values()}
+    if len(shapes) != 1 or len(shape := shapes.pop()) != 2 or shape[0] != len(prompt_hashes):
+        got = {layer: a.shape for layer, a in arrays.items()}
+        raise ValueError(f"need one [{len(prompt_hashes)}, hidden] array per layer, got {got}")
+    columns = {"prompt_hash": pa.array(prompt_hashes, pa.string())}
+    for layer, a in arrays.items():
+        columns[layer_column(layer)] = pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), shape[1])
+    return pa.table(columns)
+
+
+def write_part(
+    store_dir: str | os.PathLike,
+    extraction_id: str,
+    part_id: str,
+    prompt_hashes: list[str],
+    vectors: dict[int, np.ndarray],
+    dtype: str,
+) -> str:
+    """Write a part durably and atomically; returns its path relative to the store.
+
+    Rewriting the same part id replaces the file in one rename (a retried batch never leaves two files).
+    """
+    for name in (extraction_id, part_id):
+        if not _SAFE_NAME.match(name):
+            raise ValueError(f"not a safe file name: {name!r}")
+    table = _part_table(prompt_hashes, vectors, dtype)
+    root = Path(store_dir)
+    staging = root / "staging"
+    final_dir = root / "parts" / extraction_id
+    staging.mkdir(parents=True, exist_ok=True)
+    final_dir.mkdir(parents=True, exist_ok=True)
+    staged = staging / f"{extraction_id}-{part_id}-{uuid.uuid4().hex}.parquet"  # retries never share one
+    with open(staged, "wb") as f:
+        pq.write_table(table, f, compression="zstd", use_dictionary=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staged, final_dir / f"{part_id}.parquet")
+    _fsync_dir(final_dir)
+    return f"parts/{extraction_id}/{part_id}.parquet"
