@@ -7,6 +7,7 @@ verifies the match instead of trusting positions.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -116,7 +117,7 @@ class VllmRunner:
             return
         spec = CaptureSpec(layers=layers, num_layers=self.num_layers, pooling=pooling,
                            max_tokens=self.step_tokens + 256)
-        sizes = self.llm.apply_model(lambda model: install_capture(model, spec))
+        sizes = self.llm.apply_model(functools.partial(install_capture, spec=spec))  # pickled for TP workers
         self.capture_buffer_bytes = max(sizes)
         self._capture = (layers, pooling)
         # With one worker in this process the pooler object is ours to hand a host buffer to.
