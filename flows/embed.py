@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from pydantic import ValidationError
 
 from layertap import engine_cache
-from layertap.settings import Settings, load_settings
+from layertap.errors import InputError
+from layertap.settings import Settings, load_settings, settings_error_line
 from tasks import (
     extract_batch,
     ingest,
@@ -44,10 +46,10 @@ def _extract(store: str, store_uuid: str, batch: dict, settings: Settings) -> di
 
 @flow(name="embed", log_prints=False)
 def embed_flow(
-    input: list[str] | None = None,
+    input: list[str] | str | None = None,
     text_column: str | None = None,
     model: str | None = None,
-    layers: str | None = None,
+    layers: str | list[int] | None = None,
     pooling: str | None = None,
     dtype: str | None = None,
     store: str | None = None,
@@ -66,30 +68,33 @@ def embed_flow(
     LAYERTAP_* environment variables, then `env_file`, then the defaults."""
     started = time.perf_counter()
     logger = get_run_logger()
-    settings = load_settings(
-        env_file=env_file,
-        input=input,
-        text_column=text_column,
-        model=model,
-        layers=layers,
-        pooling=pooling,
-        dtype=dtype,
-        store=store,
-        remove_period=remove_period,
-        batch_size=batch_size,
-        parity_sample=parity_sample,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size,
-        enforce_eager=enforce_eager,
-        trust_remote_code=trust_remote_code,
-    )
+    try:
+        settings = load_settings(
+            env_file=env_file,
+            input=input,
+            text_column=text_column,
+            model=model,
+            layers=layers,
+            pooling=pooling,
+            dtype=dtype,
+            store=store,
+            remove_period=remove_period,
+            batch_size=batch_size,
+            parity_sample=parity_sample,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            trust_remote_code=trust_remote_code,
+        )
+    except ValidationError as exc:
+        raise InputError(settings_error_line(exc)) from None
     if not settings.input:
-        from layertap.errors import InputError
-
         raise InputError("input: no input files given (--input or LAYERTAP_INPUT)")
     store_dir = str(settings.store_path())
+    if not settings.model:
+        logger.info("no model given: using the tiny demo model in %s", settings.demo_model_dir())
     settings = settings.model_copy(update={"model": resolve_model(settings), "store": store_dir})
 
     try:
@@ -103,18 +108,16 @@ def embed_flow(
         batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size)
         planned = sum(b["num_prompts"] for b in batches)
 
-        embedded = engine_rejected = 0
+        embedded = refused = 0
+        for index, batch in enumerate(batches):
+            part = _extract(store_dir, key["store_uuid"], batch, settings)
+            validate_batch(store_dir, part, key["hidden_size"], settings, parity=index == 0)
+            published = publish_batch(store_dir, part)
+            embedded += published["published"]
+            refused += published["rejected"]
+        ledger = validate_store(store_dir, key["rules_id"], eid, layer_list)
         if not batches:
-            done = validate_store(store_dir, key["rules_id"], eid, layer_list)
-            logger.info("nothing to extract: %d prompts already embedded", done.get("embedded", 0))
-        else:
-            for index, batch in enumerate(batches):
-                part = _extract(store_dir, key["store_uuid"], batch, settings)
-                validate_batch(store_dir, part, key["hidden_size"], settings, parity=index == 0)
-                published = publish_batch(store_dir, part)
-                embedded += published["published"]
-                engine_rejected += published["rejected"]
-            done = validate_store(store_dir, key["rules_id"], eid, layer_list)
+            logger.info("nothing to extract: %d prompts already embedded", ledger["embedded"])
     finally:
         engine_cache.close_runners()
 
@@ -124,7 +127,8 @@ def embed_flow(
         "new_rows": ingested["rows_new"],
         "new_prompts": normalised["new_prompts"],
         "duplicates": normalised["duplicates"],
-        "rejected": sum(rejected.values()) + engine_rejected,
+        "rejected": sum(rejected.values()),
+        "refused": refused,
         "planned": planned,
         "embedded": embedded,
         "layers": layer_list,
@@ -132,14 +136,13 @@ def embed_flow(
         "store": store_dir,
         "model": settings.model,
         "extraction_id": eid,
-        "ledger": done,
+        "ledger": ledger,
         "seconds": round(time.perf_counter() - started, 3),
     }
     logger.info(
         "embed done: %d rows, %d new prompts, %d duplicates, %d rejected, %d planned, %d embedded, "
-        "layers %s, dimension %d, extraction %s, %.1fs",
-        summary["rows"], summary["new_prompts"], summary["duplicates"], summary["rejected"],
-        summary["planned"], summary["embedded"], ",".join(map(str, layer_list)), summary["dimension"],
-        eid, summary["seconds"],
+        "%d refused by the engine, layers %s, dimension %d, extraction %s, %.1fs",
+        summary["rows"], summary["new_prompts"], summary["duplicates"], summary["rejected"], planned, embedded,
+        refused, ",".join(map(str, layer_list)), summary["dimension"], eid, summary["seconds"],
     )
     return summary

@@ -2,7 +2,7 @@
 
 Starting vLLM costs seconds to a minute while batches are many, so batch tasks ask this registry for a
 runner instead of building one. The flow closes the registry when it ends. A caller that runs many flows
-in one process (a test session, a notebook) can `pin()` the registry so engines survive between flows.
+in one process (a test run, a notebook) can `pin()` the registry so engines survive between flows.
 """
 
 from __future__ import annotations
@@ -45,6 +45,17 @@ def get_runner(settings: Settings):
             _runners[key] = runner
             _started += 1
         return runner
+
+
+def discard_runner(settings: Settings) -> bool:
+    """Close and forget this settings' engine (after it failed), so a retry starts a fresh one."""
+    with _lock:
+        runner = _runners.pop(runner_key(settings), None)
+    if runner is None:
+        return False
+    with contextlib.suppress(Exception):
+        runner.close()
+    return True
 
 
 def close_runners(force: bool = False) -> int:

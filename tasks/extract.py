@@ -10,7 +10,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.tasks import exponential_backoff
 
-from layertap.engine_cache import get_runner
+from layertap.engine_cache import discard_runner, get_runner
 from layertap.settings import Settings
 from layertap.store import StoreDB
 from layertap.writer import write_part
@@ -54,7 +54,12 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
     layers = list(batch["layers"])
     runner = get_runner(settings)
     started = time.perf_counter()
-    result = runner.extract(texts, layers, settings.pooling)
+    try:
+        result = runner.extract(texts, layers, settings.pooling)
+    except Exception:
+        # An engine that failed mid-batch may be wedged; the retry gets a fresh one.
+        discard_runner(settings)
+        raise
     seconds = time.perf_counter() - started
     kept = [hashes[i] for i in result.kept]
     rejected = {hashes[i]: reason for i, reason in sorted(result.rejected.items())}

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -49,17 +50,28 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
         return {"batch_id": part["batch_id"], "checks": []}
     hashes, texts = StoreDB(store).batch_prompts(part["batch_id"])
     rejected = part["rejected"]
-    kept = [(h, t) for h, t in zip(hashes, texts) if h not in rejected]
+    expected = [h for h in hashes if h not in rejected]
     path = str(Path(store) / part["relpath"])
     done = []
     try:
-        checks.check_part(path, [h for h, _ in kept], part["layers"], hidden_size)
+        # The engine may return rows in its own order; the part's rows must be exactly the kept prompts.
+        try:
+            stored = pq.read_table(path, columns=["prompt_hash"]).column("prompt_hash").to_pylist()
+        except (OSError, pa.ArrowException) as exc:
+            raise CheckFailed(f"check 'readable': {path}: {exc}") from exc
+        if sorted(stored) != sorted(expected):
+            raise CheckFailed(
+                f"check 'one result per prompt': {path} holds {len(stored)} rows ({len(set(stored))} distinct), "
+                f"expected the batch's {len(expected)} prompts"
+            )
+        checks.check_part(path, stored, part["layers"], hidden_size)
         done.append("part")
         if parity and settings.parity_sample > 0:
-            rows = checks.parity_sample([h for h, _ in kept], settings.parity_sample)
+            text_of = dict(zip(hashes, texts))
+            rows = checks.parity_sample(stored, settings.parity_sample)
             report = checks.parity_check(
                 settings.model,
-                [kept[i][1] for i in rows],
+                [text_of[stored[i]] for i in rows],
                 _read_rows(path, part["layers"], rows),
                 part["layers"],
                 settings.pooling,

@@ -1,0 +1,360 @@
+"""The embed flow end to end: real Prefect (test harness), real DuckDB/Parquet, real vLLM on a tiny model.
+
+One engine serves the whole test run: the registry is pinned, so flows do not close it between tests.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+
+from layertap import engine_cache
+from layertap.errors import ValidationError as CheckFailed
+
+LAYERS = "0,2,-1"  # -> [0, 2, 4] on the 4-layer tiny model
+
+ROWS = [
+    "The river carried the old boat downstream.",
+    "A small robot repaired the broken clock.",
+    "The river carried the old boat downstream.",  # exact duplicate
+    "  A small   robot repaired the broken clock. ",  # duplicate after normalisation
+    "Why is the sky blue?",
+    None,  # null text
+    " \t ",  # empty after normalisation
+    "東京は日本の首都です。",
+    "Emoji 🚀 in a prompt",
+    "Une phrase en français, avec des accents : été, où, ça.",
+    "short",
+    "A much longer prompt that goes on for a while so that the tiny model sees more than a handful of "
+    "tokens, which makes mean pooling and last-token pooling clearly different from each other.",
+]
+DISTINCT = 8
+DUPLICATES = 2
+REJECTED = 2
+
+
+def _harness_active() -> bool:
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
+    return "prefect-test.db" in str(PREFECT_API_DATABASE_CONNECTION_URL.value() or "")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_harness():
+    """One temporary Prefect server for the whole test run (reused when another module already started it)."""
+    if _harness_active():
+        yield
+        return
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """The tiny model at the path every layertap test module uses, so they all share one engine."""
+    from layertap.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "shared" / ".layertap" / "tiny-model")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_engine():
+    """Keep engines open across flows for the whole test run; the last pin closes them."""
+    with engine_cache.pin():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    for name in list(os.environ):
+        if name.startswith("LAYERTAP_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+
+
+def write_csv(path: Path, texts: list[str], column: str = "text") -> str:
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["id", column])
+        writer.writerows(enumerate(texts))
+    return str(path)
+
+
+def write_jsonl(path: Path, texts: list[str | None], column: str = "text") -> str:
+    """JSON lines keep a real null apart from an empty string (CSV cannot)."""
+    with path.open("w", encoding="utf-8") as handle:
+        for i, text in enumerate(texts):
+            handle.write(json.dumps({"id": i, column: text}, ensure_ascii=False) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def run(tiny_model, tmp_path):
+    """Run the embed flow against a store in tmp_path; returns (summary, flow_run_id)."""
+    from flows.embed import embed_flow
+
+    def go(inputs, **params):
+        params.setdefault("layers", LAYERS)
+        params.setdefault("store", str(tmp_path / "store"))
+        params.setdefault("parity_sample", 4)
+        state = embed_flow(input=[str(p) for p in inputs], model=tiny_model, env_file=None, return_state=True,
+                           **params)
+        return state.result(), state.state_details.flow_run_id
+
+    return go
+
+
+def task_runs(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return sorted(r.name.rsplit("-", 1)[0] for r in runs)
+
+
+def flow_logs(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # logs reach the API in the background; wait for them
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [log.message for log in logs]
+
+
+def parts(store: str) -> list[tuple[str, list[int], int]]:
+    with duckdb.connect(str(Path(store) / "layertap.duckdb"), read_only=True) as con:
+        return con.execute("SELECT part_id, layers, num_prompts FROM parts ORDER BY created_at, part_id").fetchall()
+
+
+def test_end_to_end(run, tmp_path, tiny_model):
+    from layertap import Store
+    from layertap.runner.hf_runner import HfRunner
+
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    summary, _ = run([source])
+
+    assert summary["rows"] == len(ROWS)
+    assert summary["new_prompts"] == DISTINCT
+    assert summary["duplicates"] == DUPLICATES
+    assert summary["rejected"] == REJECTED
+    assert summary["planned"] == summary["embedded"] == DISTINCT
+    assert summary["layers"] == [0, 2, 4]
+    assert summary["dimension"] == 128
+    assert summary["store"] == str(tmp_path / "store")
+    assert len(summary["extraction_id"]) == 16
+
+    store = Store(summary["store"])
+    table = store.embeddings(layer=4)
+    assert table.num_rows == DISTINCT
+    assert table.schema.field("embedding").type.list_size == 128
+    for text, prompt_hash in zip(table.column("text").to_pylist(), table.column("prompt_hash").to_pylist()):
+        assert prompt_hash == hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    # The stored vectors are what transformers computes for the normalised text.
+    texts = table.column("text").to_pylist()
+    ours = np.asarray(table.column("embedding").combine_chunks().flatten(), np.float32).reshape(len(texts), -1)
+    reference = HfRunner(tiny_model, "float32").extract(texts, [4], "last").vectors[4]
+    cos = (ours * reference).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1))
+    assert cos.min() > 0.99999
+
+
+def test_ledger_accounts_for_every_input_row(run, tmp_path):
+    from layertap import Store
+
+    summary, _ = run([write_jsonl(tmp_path / "in.jsonl", ROWS)])
+    ledger = Store(summary["store"]).ledger().to_pylist()
+    assert len(ledger) == len(ROWS)
+    statuses = [row["status"] for row in ledger]
+    assert statuses.count("embedded") == DISTINCT
+    assert statuses.count("duplicate") == DUPLICATES
+    assert statuses.count("rejected") == REJECTED
+    assert "pending" not in statuses
+    reasons = sorted(row["reason"] for row in ledger if row["status"] == "rejected")
+    assert reasons == ["empty after normalisation", "null text"]
+    assert summary["ledger"]["embedded"] + summary["ledger"]["duplicate"] + summary["ledger"]["rejected"] == len(
+        ROWS
+    )
+
+
+def test_rerun_does_no_model_work(run, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    first, _ = run([source])
+    assert first["embedded"] == DISTINCT
+
+    requests, started = engine_cache.runner_requests(), engine_cache.engines_started()
+    second, flow_run_id = run([source])
+
+    assert second["planned"] == second["embedded"] == 0
+    assert second["new_prompts"] == 0 and second["extraction_id"] == first["extraction_id"]
+    assert engine_cache.runner_requests() == requests  # no batch asked for an engine
+    assert engine_cache.engines_started() == started
+    ran = task_runs(flow_run_id)
+    assert "extract-batch" not in ran and "validate-batch" not in ran and "publish-batch" not in ran
+    assert f"nothing to extract: {DISTINCT} prompts already embedded" in flow_logs(flow_run_id)
+    assert len(parts(first["store"])) == 1
+
+
+def test_appended_rows_embed_only_new_prompts(run, tmp_path):
+    from layertap import Store
+
+    source = tmp_path / "in.jsonl"
+    first, _ = run([write_jsonl(source, ROWS)])
+    new = ["A brand new prompt.", "Another new one", "Why is the sky blue?"]  # the last one is known
+    second, _ = run([write_jsonl(source, ROWS + new), write_csv(tmp_path / "more.csv", ["A brand new prompt."])])
+
+    assert second["rows"] == len(ROWS) + len(new) + 1
+    assert second["new_prompts"] == 2
+    assert second["planned"] == second["embedded"] == 2
+    assert Store(second["store"]).embeddings(layer=2).num_rows == DISTINCT + 2
+    ledger = Store(second["store"]).ledger().to_pylist()
+    assert len(ledger) == second["rows"]
+    assert sum(row["status"] == "embedded" for row in ledger) == DISTINCT + 2
+    assert sum(row["status"] == "duplicate" for row in ledger) == DUPLICATES + 2
+
+
+def test_more_layers_extract_only_missing_ones(run, tmp_path):
+    from layertap import Store
+
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    first, _ = run([source], layers="0,4")
+    before = Store(first["store"]).embeddings(layer=4)
+
+    second, _ = run([source], layers="all")
+    assert second["layers"] == [0, 1, 2, 3, 4]
+    assert second["planned"] == second["embedded"] == DISTINCT
+    assert [layers for _, layers, _ in parts(second["store"])] == [[0, 4], [1, 2, 3]]
+    after = Store(second["store"]).embeddings(layer=4)
+    assert after.sort_by("prompt_hash").equals(before.sort_by("prompt_hash"))  # untouched
+    for layer in range(5):
+        assert Store(second["store"]).embeddings(layer=layer).num_rows == DISTINCT
+
+    third, _ = run([source], layers="1,3")
+    assert third["planned"] == 0
+
+
+def test_batches_follow_batch_size(run, tmp_path):
+    from layertap import Store
+
+    summary, _ = run([write_jsonl(tmp_path / "in.jsonl", ROWS)], batch_size=3)
+    assert summary["embedded"] == DISTINCT
+    assert [n for _, _, n in parts(summary["store"])] and sum(n for _, _, n in parts(summary["store"])) == DISTINCT
+    assert max(n for _, _, n in parts(summary["store"])) <= 3
+    assert Store(summary["store"]).embeddings(layer=0).num_rows == DISTINCT
+
+
+def test_mean_pooling_and_period_rules_are_separate_extractions(run, tmp_path, tiny_model):
+    from layertap import Store
+    from layertap.runner.hf_runner import HfRunner
+
+    source = write_csv(tmp_path / "in.csv", ["Hello world.", "Hello world", "Good night..."])
+    last, _ = run([source])
+    mean, _ = run([source], pooling="mean", remove_period=True)
+    assert mean["extraction_id"] != last["extraction_id"]
+    assert last["embedded"] == 3
+    assert mean["embedded"] == 2  # "Hello world." and "Hello world" are one prompt without the period
+    table = Store(mean["store"]).embeddings(layer=2, pooling="mean")
+    texts = sorted(table.column("text").to_pylist())
+    assert texts == ["Good night", "Hello world"]
+    table = table.sort_by("text")
+    ours = np.asarray(table.column("embedding").combine_chunks().flatten(), np.float32).reshape(2, -1)
+    reference = HfRunner(tiny_model, "float32").extract(texts, [2], "mean").vectors[2]
+    np.testing.assert_allclose(ours, reference, atol=1e-4)
+
+
+def test_failed_validation_publishes_nothing(run, tmp_path, tiny_model, monkeypatch):
+    """A broken engine output (NaN) fails the named check, is quarantined, and a later run recovers."""
+    from layertap import Store
+    from layertap.settings import load_settings
+
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    runner = engine_cache.get_runner(load_settings(env_file=None, model=tiny_model))
+    real_extract = runner.extract
+
+    def broken(texts, layers, pooling):
+        result = real_extract(texts, layers, pooling)
+        result.vectors[layers[-1]][0, :] = np.nan
+        return result
+
+    monkeypatch.setattr(runner, "extract", broken)
+    with pytest.raises(CheckFailed, match="check 'finite'"):
+        run([source])
+    store = str(tmp_path / "store")
+    assert parts(store) == []
+    assert list((Path(store) / "quarantine").rglob("*.parquet"))
+    assert not list((Path(store) / "parts").rglob("*.parquet"))
+    assert {row["status"] for row in Store(store).ledger().to_pylist()} <= {"pending", "duplicate", "rejected"}
+
+    monkeypatch.undo()
+    summary, _ = run([source])  # the cached extraction points at a quarantined file: extracted again
+    assert summary["embedded"] == DISTINCT
+    assert len(parts(store)) == 1
+
+
+def test_batch_cache_key_is_tied_to_store_and_batch():
+    from tasks.extract import batch_cache_key
+
+    batch = {"extraction_id": "e" * 16, "layers": [0, 2], "prompt_hashes_digest": "d" * 64}
+    key = batch_cache_key(None, {"store_uuid": "u1", "batch": batch})
+    assert key == batch_cache_key(None, {"store_uuid": "u1", "batch": dict(batch, layers=[2, 0])})
+    assert key != batch_cache_key(None, {"store_uuid": "u2", "batch": batch})
+    assert key != batch_cache_key(None, {"store_uuid": "u1", "batch": dict(batch, layers=[0])})
+    assert key != batch_cache_key(None, {"store_uuid": "u1", "batch": dict(batch, prompt_hashes_digest="x")})
+
+
+def test_prompts_the_engine_refuses_are_rejected_once(run, tmp_path):
+    """Longer than the model allows: recorded with the engine's reason, never planned again."""
+    from layertap import Store
+
+    long_text = "word " * 1000  # 5000 bytes -> 5001 tokens with the byte-level tokenizer; the limit is 4096
+    source = write_jsonl(tmp_path / "in.jsonl", ["short one", long_text, "short two", long_text])
+    first, _ = run([source])
+    assert first["planned"] == 3 and first["embedded"] == 2
+    assert first["refused"] == 1 and first["rejected"] == 0
+    ledger = Store(first["store"]).ledger().to_pylist()
+    assert [row["status"] for row in ledger] == ["embedded", "rejected", "embedded", "rejected"]
+    assert ledger[1]["reason"].startswith("too long") and ledger[3]["reason"] == ledger[1]["reason"]
+
+    second, _ = run([source])
+    assert second["planned"] == 0
+
+
+def test_extract_batch_is_a_cache_hit_for_the_same_store_only(tiny_model, tmp_path):
+    """Re-running a done batch reuses its part; the same batch in a fresh store is extracted anew."""
+    from prefect import flow
+
+    from layertap.settings import load_settings
+    from tasks import extract_batch, ingest, normalise, plan, register_extraction
+
+    source = write_jsonl(tmp_path / "in.jsonl", ["one prompt", "another prompt"])
+    settings = load_settings(env_file=None, model=tiny_model)
+
+    @flow
+    def extract_twice(store: str) -> tuple:
+        ingest(store, [source], "text")
+        normalise(store, False)
+        key = register_extraction(store, tiny_model, "last", "float32", False, [1])
+        (batch,) = plan(store, key["extraction_id"], key["layers"], key["rules_id"], 16)
+        first = extract_batch(store, key["store_uuid"], batch, settings, return_state=True)
+        requests = engine_cache.runner_requests()
+        second = extract_batch(store, key["store_uuid"], batch, settings, return_state=True)
+        return first.name, second.name, engine_cache.runner_requests() - requests, first.result(), second.result()
+
+    first, second, asked, part, cached = extract_twice(str(tmp_path / "a"))
+    assert (first, second, asked) == ("Completed", "Cached", 0)
+    assert cached == part and (tmp_path / "a" / part["relpath"]).is_file()
+
+    first, _, _, other, _ = extract_twice(str(tmp_path / "b"))  # same batch, another store
+    assert first == "Completed" and other["part_id"] == part["part_id"]
+    assert (tmp_path / "b" / other["relpath"]).is_file()

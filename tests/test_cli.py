@@ -1,0 +1,232 @@
+"""`layertap run` / `layertap demo`: exit codes, one-line errors, and settings from env and .env.
+
+Successful runs call `main()` in this process so they share one engine; error paths that fail
+before any model work also run as a real subprocess to check what a user sees on stderr.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from layertap import engine_cache
+from layertap.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _harness_active() -> bool:
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
+    return "prefect-test.db" in str(PREFECT_API_DATABASE_CONNECTION_URL.value() or "")
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect server for the whole test run (reused when another module already started it)."""
+    if _harness_active():
+        yield
+        return
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """The tiny model at the path every layertap test module uses, so they all share one engine."""
+    from layertap.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "shared" / ".layertap" / "tiny-model")
+
+
+@pytest.fixture(scope="session")
+def shared_engine(prefect_harness):
+    with engine_cache.pin():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    for name in list(os.environ):
+        if name.startswith("LAYERTAP_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+
+
+def write_csv(path: Path, texts: list[str], column: str = "text") -> str:
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow([column])
+        writer.writerows([t] for t in texts)
+    return str(path)
+
+
+def child_env(**extra: str) -> dict:
+    """This environment without LAYERTAP_* variables, with the checkout importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LAYERTAP_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The real command, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "layertap.cli", *args], capture_output=True, text=True, env=child_env(**(env or {})),
+        cwd=cwd, timeout=120,
+    )
+
+
+def one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("layertap: error: "), stderr
+    return lines[0][len("layertap: error: ") :]
+
+
+# --- errors that happen before any model work: real subprocess, exactly one stderr line -----------------
+
+
+def test_bad_option_value_is_one_line_naming_the_setting(tmp_path):
+    source = write_csv(tmp_path / "in.csv", ["hello"])
+    out = run_cli("run", "--input", source, "--pooling", "max", cwd=tmp_path)
+    assert out.returncode == 2
+    reason = one_error_line(out.stderr)
+    assert reason.startswith("invalid setting pooling (LAYERTAP_POOLING)")
+    assert out.stdout == ""
+
+
+def test_bad_env_value_is_one_line(tmp_path):
+    source = write_csv(tmp_path / "in.csv", ["hello"])
+    out = run_cli("run", "--input", source, env={"LAYERTAP_BATCH_SIZE": "lots"}, cwd=tmp_path)
+    assert out.returncode == 2
+    assert one_error_line(out.stderr).startswith("invalid setting batch_size (LAYERTAP_BATCH_SIZE)")
+
+
+def test_bad_dotenv_value_is_one_line(tmp_path):
+    source = write_csv(tmp_path / "in.csv", ["hello"])
+    (tmp_path / ".env").write_text("LAYERTAP_LAYERS=first,last\n")
+    out = run_cli("run", "--input", source, cwd=tmp_path)
+    assert out.returncode == 2
+    assert one_error_line(out.stderr).startswith("invalid setting layers (LAYERTAP_LAYERS)")
+
+
+def test_unknown_option_is_one_line(tmp_path):
+    out = run_cli("run", "--frobnicate", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "--frobnicate" in one_error_line(out.stderr)
+
+
+def test_missing_command_is_one_line(tmp_path):
+    out = run_cli(cwd=tmp_path)
+    assert out.returncode == 2
+    one_error_line(out.stderr)
+
+
+def test_missing_input_file_is_one_line(tmp_path):
+    out = run_cli("run", "--input", str(tmp_path / "nope.csv"), cwd=tmp_path)
+    assert out.returncode == 1
+    assert one_error_line(out.stderr) == f"input: no file matches {tmp_path / 'nope.csv'}"
+
+
+def test_no_input_at_all_is_one_line(tmp_path):
+    out = run_cli("run", cwd=tmp_path)
+    assert out.returncode == 1
+    assert "no input files given" in one_error_line(out.stderr)
+
+
+def test_model_folder_without_config_is_one_line(tmp_path):
+    source = write_csv(tmp_path / "in.csv", ["hello"])
+    (tmp_path / "model").mkdir()
+    out = run_cli("run", "--input", source, "--model", str(tmp_path / "model"), cwd=tmp_path)
+    assert out.returncode == 1
+    assert "has no config.json" in one_error_line(out.stderr)
+
+
+def test_layer_out_of_range_is_one_line(tmp_path, tiny_model):
+    source = write_csv(tmp_path / "in.csv", ["hello"])
+    out = run_cli("run", "--input", source, "--model", tiny_model, "--layers", "0,9", cwd=tmp_path)
+    assert out.returncode == 1
+    assert "index 9 is out of range" in one_error_line(out.stderr)
+
+
+def test_importing_the_library_and_cli_does_not_import_prefect(tmp_path):
+    code = "import sys, layertap, layertap.cli, layertap.settings, layertap.engine_cache; print('prefect' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_help_exits_zero(tmp_path):
+    out = run_cli("run", "--help", cwd=tmp_path)
+    assert out.returncode == 0
+    assert "--input" in out.stdout and "--remove-period" in out.stdout
+
+
+# --- real runs in this process, sharing one engine ---------------------------------------------------
+
+
+def test_run_then_rerun(shared_engine, tiny_model, tmp_path, capsys):
+    source = write_csv(tmp_path / "in.csv", ["alpha", "beta", "alpha", "", "gamma."])
+    store = tmp_path / "store"
+    args = ["run", "--input", source, "--model", tiny_model, "--layers", "0,-1", "--store", str(store), "--json"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["rows"], summary["embedded"], summary["duplicates"], summary["rejected"]) == (5, 3, 1, 1)
+    assert summary["layers"] == [0, 4] and summary["dimension"] == 128
+    assert summary["store"] == str(store)
+
+    requests = engine_cache.runner_requests()
+    assert main(args[:-1]) == 0
+    out = capsys.readouterr().out
+    assert "extracted  nothing: 3 prompts already embedded" in out
+    assert engine_cache.runner_requests() == requests
+
+
+def test_env_and_dotenv_settings_reach_the_run(shared_engine, tiny_model, tmp_path, monkeypatch, capsys):
+    source = write_csv(tmp_path / "in.csv", ["Hello world.", "Hello world"], column="body")
+    (tmp_path / ".env").write_text(
+        f"LAYERTAP_INPUT={source}\nLAYERTAP_MODEL={tiny_model}\nLAYERTAP_LAYERS=1\nLAYERTAP_TEXT_COLUMN=wrong\n"
+    )
+    monkeypatch.setenv("LAYERTAP_TEXT_COLUMN", "body")  # env beats .env
+    monkeypatch.setenv("LAYERTAP_REMOVE_PERIOD", "1")
+    monkeypatch.setenv("LAYERTAP_STORE", str(tmp_path / "from-env"))
+    assert main(["run", "--layers", "1,2", "--json"]) == 0  # the CLI beats both
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["layers"] == [1, 2]
+    assert summary["embedded"] == 1 and summary["duplicates"] == 1  # remove_period merged the two rows
+    assert summary["store"] == str(tmp_path / "from-env")
+
+
+def test_error_inside_the_flow_ends_with_one_line(shared_engine, tiny_model, tmp_path, capsys):
+    source = write_csv(tmp_path / "in.csv", ["hello"], column="body")
+    code = main(["run", "--input", source, "--model", tiny_model, "--store", str(tmp_path / "s")])
+    assert code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("layertap: error: ") and "text" in last and "in.csv" in last
+
+
+def test_demo_builds_the_model_and_shows_how_to_query(shared_engine, tiny_model, tmp_path, capsys):
+    # The demo builds its model next to the store; put the store beside the shared tiny model so the
+    # demo reuses that build (and the shared engine).
+    store = Path(tiny_model).parent.parent / "demo-store"
+    assert main(["demo", "--store", str(store)]) == 0
+    out = capsys.readouterr().out
+    assert "layertap demo: 200 rows (200 new): 192 new prompts, 6 duplicates, 2 rejected" in out
+    assert "extracted  192 of 192 planned prompts" in out
+    assert "dimension 128" in out and "layers     0,1,2,3,4" in out
+    assert str(store) in out and tiny_model in out
+    snippet = out.split("Query it from Python:\n", 1)[1].strip().splitlines()
+    assert len(snippet) == 3 and snippet[0].strip() == "from layertap import Store"
+
+    namespace: dict = {}
+    code = "\n".join(line.strip() for line in snippet).replace("print(", "result = (")
+    exec(code, namespace)  # the snippet the demo prints really works
+    assert namespace["table"].num_rows > 150
