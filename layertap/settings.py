@@ -57,6 +57,8 @@ class Settings(BaseSettings):
     tensor_parallel_size: int = Field(1, ge=1)
     enforce_eager: bool | None = None
     trust_remote_code: bool = False
+    # "dummy" starts the engine with random weights of the model's shape: for speed runs only.
+    load_format: Literal["auto", "dummy"] | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -135,6 +137,7 @@ class Settings(BaseSettings):
             "tensor_parallel_size": self.tensor_parallel_size,
             "enforce_eager": self.enforce_eager,
             "trust_remote_code": self.trust_remote_code,
+            "load_format": self.load_format,
         }
         return {k: v for k, v in opts.items() if v is not None}
 

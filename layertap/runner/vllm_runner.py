@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +107,7 @@ class VllmRunner:
         self.step_tokens = config.scheduler_config.max_num_batched_tokens
         self._capture: tuple[tuple[int, ...], str] | None = None
         self._pooler = None
+        self._lock = threading.Lock()
         self.capture_buffer_bytes = 0
 
     def _default_step_tokens(self) -> int:
@@ -129,6 +131,10 @@ class VllmRunner:
 
     def extract(self, texts: list[str], layers: list[int], pooling: str) -> Extraction:
         """Pool `layers` (HF indices, sorted) for `texts`; over-long prompts are rejected, not truncated."""
+        with self._lock:  # one engine, one caller at a time; callers may write results concurrently
+            return self._extract(texts, layers, pooling)
+
+    def _extract(self, texts: list[str], layers: list[int], pooling: str) -> Extraction:
         from vllm import PoolingParams
 
         if pooling not in POOLINGS:
