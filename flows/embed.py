@@ -62,6 +62,7 @@ def embed_flow(
     tensor_parallel_size: int | None = None,
     enforce_eager: bool | None = None,
     trust_remote_code: bool | None = None,
+    load_format: str | None = None,
     env_file: str | None = ".env",
 ) -> dict:
     """Embed every input row's prompt at the requested layers; parameters left at None come from
@@ -87,6 +88,7 @@ def embed_flow(
             tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager,
             trust_remote_code=trust_remote_code,
+            load_format=load_format,
         )
     except ValidationError as exc:
         raise InputError(settings_error_line(exc)) from None
