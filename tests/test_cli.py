@@ -13,52 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from layertap import engine_cache
 from layertap.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _harness_active() -> bool:
-    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
-
-    return "prefect-test.db" in str(PREFECT_API_DATABASE_CONNECTION_URL.value() or "")
-
-
-@pytest.fixture(scope="session")
-def prefect_harness():
-    """One temporary Prefect server for the whole test run (reused when another module already started it)."""
-    if _harness_active():
-        yield
-        return
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    """The tiny model at the path every layertap test module uses, so they all share one engine."""
-    from layertap.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.getbasetemp() / "shared" / ".layertap" / "tiny-model")
-
-
-@pytest.fixture(scope="session")
-def shared_engine(prefect_harness):
-    with engine_cache.pin():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("LAYERTAP_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
 
 
 def write_csv(path: Path, texts: list[str], column: str = "text") -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import duckdb
@@ -40,45 +39,7 @@ DUPLICATES = 2
 REJECTED = 2
 
 
-def _harness_active() -> bool:
-    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
-
-    return "prefect-test.db" in str(PREFECT_API_DATABASE_CONNECTION_URL.value() or "")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def prefect_harness():
-    """One temporary Prefect server for the whole test run (reused when another module already started it)."""
-    if _harness_active():
-        yield
-        return
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    """The tiny model at the path every layertap test module uses, so they all share one engine."""
-    from layertap.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.getbasetemp() / "shared" / ".layertap" / "tiny-model")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def shared_engine():
-    """Keep engines open across flows for the whole test run; the last pin closes them."""
-    with engine_cache.pin():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("LAYERTAP_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("prefect_harness", "shared_engine")
 
 
 def write_csv(path: Path, texts: list[str], column: str = "text") -> str:

@@ -8,17 +8,6 @@ from pydantic import ValidationError
 from layertap.settings import Settings, load_settings, settings_error_line
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch, tmp_path):
-    """No LAYERTAP_* variable or .env from the developer's shell leaks into these tests."""
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("LAYERTAP_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
-
-
 def error_line(**values) -> str:
     with pytest.raises(ValidationError) as info:
         load_settings(env_file=None, **values)
