@@ -9,16 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layertap.errors import ValidationError
+from layertap.writer import layer_column
 
 # Minimum cosine between layertap's vectors and transformers' for the same prompt and layer.
 PARITY_MIN_COSINE = {"float32": 0.99999, "float16": 0.99, "bfloat16": 0.99}
-
-
-def layer_column(layer: int) -> str:
-    return f"layer_{layer}"
 
 
 def check_vectors(vectors: dict[int, np.ndarray], layers: list[int], num_rows: int, hidden_size: int) -> None:
@@ -42,24 +40,38 @@ def check_vectors(vectors: dict[int, np.ndarray], layers: list[int], num_rows: i
             raise ValidationError(f"check 'non-zero': layer {layer} has {int(zero.sum())} all-zero vectors")
 
 
-def check_part(path: str, prompt_hashes: list[str], layers: list[int], hidden_size: int) -> None:
-    """Re-read a written part and check it holds exactly the batch's prompts and layers."""
-    table = pq.read_table(path)
+def _vectors(table: pa.Table, layers: list[int]) -> dict[int, np.ndarray]:
+    return {
+        layer: np.asarray(table.column(layer_column(layer)).combine_chunks().flatten(), dtype=np.float32)
+        .reshape(table.num_rows, -1)
+        for layer in layers
+    }
+
+
+def check_part(path: str, expected_hashes: list[str], layers: list[int], hidden_size: int) -> list[str]:
+    """Re-read a written part: exactly the batch's prompts (in any order: the engine finishes prompts in
+    its own order), exactly its layers, and vectors that pass `check_vectors`. Returns the stored order."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise ValidationError(f"check 'readable': {path}: {exc}") from exc
     got = table.column("prompt_hash").to_pylist()
-    if got != list(prompt_hashes):
+    if sorted(got) != sorted(expected_hashes):
         raise ValidationError(
             f"check 'one result per prompt': {path} holds {len(got)} rows "
-            f"({len(set(got))} distinct), expected {len(prompt_hashes)}"
+            f"({len(set(got))} distinct), expected the batch's {len(expected_hashes)} prompts"
         )
     columns = {name for name in table.column_names if name.startswith("layer_")}
     expected = {layer_column(layer) for layer in layers}
     if columns != expected:
         raise ValidationError(f"check 'layers present': {path} has {sorted(columns)}, expected {sorted(expected)}")
-    vectors = {
-        layer: np.asarray(table.column(layer_column(layer)).combine_chunks().flatten()).reshape(len(got), -1)
-        for layer in layers
-    }
-    check_vectors(vectors, layers, len(got), hidden_size)
+    check_vectors(_vectors(table, layers), layers, len(got), hidden_size)
+    return got
+
+
+def stored_rows(path: str, layers: list[int], rows: list[int]) -> dict[int, np.ndarray]:
+    """A few rows of a part as float32, for the parity comparison."""
+    return _vectors(pq.read_table(path, columns=[layer_column(layer) for layer in layers]).take(rows), layers)
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -28,16 +25,6 @@ def quarantine(store: str, extraction_id: str, relpath: str) -> str | None:
     return str(target.relative_to(store))
 
 
-def _read_rows(path: str, layers: list[int], rows: list[int]) -> dict[int, np.ndarray]:
-    """The stored vectors of a few rows of a part, as float32, for the parity comparison."""
-    table = pq.read_table(path, columns=[checks.layer_column(layer) for layer in layers]).take(rows)
-    return {
-        layer: np.asarray(table.column(checks.layer_column(layer)).combine_chunks().flatten(), dtype=np.float32)
-        .reshape(len(rows), -1)
-        for layer in layers
-    }
-
-
 @task(name="validate-batch", cache_policy=NO_CACHE)
 def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings, parity: bool) -> dict:
     """Structural checks on every part; on the run's first part also a parity sample against Hugging Face.
@@ -54,17 +41,7 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
     path = str(Path(store) / part["relpath"])
     done = []
     try:
-        # The engine may return rows in its own order; the part's rows must be exactly the kept prompts.
-        try:
-            stored = pq.read_table(path, columns=["prompt_hash"]).column("prompt_hash").to_pylist()
-        except (OSError, pa.ArrowException) as exc:
-            raise CheckFailed(f"check 'readable': {path}: {exc}") from exc
-        if sorted(stored) != sorted(expected):
-            raise CheckFailed(
-                f"check 'one result per prompt': {path} holds {len(stored)} rows ({len(set(stored))} distinct), "
-                f"expected the batch's {len(expected)} prompts"
-            )
-        checks.check_part(path, stored, part["layers"], hidden_size)
+        stored = checks.check_part(path, expected, part["layers"], hidden_size)
         done.append("part")
         if parity and settings.parity_sample > 0:
             text_of = dict(zip(hashes, texts))
@@ -72,7 +49,7 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
             report = checks.parity_check(
                 settings.model,
                 [text_of[stored[i]] for i in rows],
-                _read_rows(path, part["layers"], rows),
+                checks.stored_rows(path, part["layers"], rows),
                 part["layers"],
                 settings.pooling,
                 settings.dtype,

@@ -30,6 +30,7 @@ class CaptureSpec:
 
     layers: tuple[int, ...]
     num_layers: int
+    hidden_size: int
     pooling: str  # "last" | "mean"
     max_tokens: int  # upper bound on tokens in one engine step (buffer rows)
 
@@ -101,14 +102,14 @@ class LayerCapturePooler(nn.Module):
     buffer; the pooler then gathers (last) or segment-sums (mean) rows with vLLM's own cursor.
     """
 
-    def __init__(self, spec: CaptureSpec, hidden_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, spec: CaptureSpec, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.spec = spec
         # HF index N is the final-norm output, which is the pooler's own input; the rest come from hooks.
         self.hooked = [layer for layer in spec.layers if layer < spec.num_layers]
         self.slot = {layer: i for i, layer in enumerate(self.hooked)}
         self.buffer = torch.empty(
-            (len(self.hooked), spec.max_tokens, hidden_size), dtype=dtype, device=device
+            (len(self.hooked), spec.max_tokens, spec.hidden_size), dtype=dtype, device=device
         )
         self.handles: list = []
         # Host buffer [layers, prompts, hidden] of the current call, when the engine shares our process.
@@ -229,9 +230,7 @@ def install_capture(model: nn.Module, spec: CaptureSpec) -> int:
     else:
         model._layertap_original_pooler = previous
     param = next(model.parameters())
-    hidden_size = decoder_layers(model)[0].input_layernorm.weight.shape[-1] if hasattr(
-        decoder_layers(model)[0], "input_layernorm") else model.config.hidden_size
-    pooler = LayerCapturePooler(spec, hidden_size, param.dtype, param.device)
+    pooler = LayerCapturePooler(spec, param.dtype, param.device)
     pooler.attach(model)
     model.pooler = pooler
     return pooler.buffer.numel() * pooler.buffer.element_size()

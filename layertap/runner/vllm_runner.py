@@ -117,8 +117,8 @@ class VllmRunner:
     def _ensure_capture(self, layers: tuple[int, ...], pooling: str) -> None:
         if self._capture == (layers, pooling):
             return
-        spec = CaptureSpec(layers=layers, num_layers=self.num_layers, pooling=pooling,
-                           max_tokens=self.step_tokens + 256)
+        spec = CaptureSpec(layers=layers, num_layers=self.num_layers, hidden_size=self.hidden_size,
+                           pooling=pooling, max_tokens=self.step_tokens + 256)
         sizes = self.llm.apply_model(functools.partial(install_capture, spec=spec))  # pickled for TP workers
         self.capture_buffer_bytes = max(sizes)
         self._capture = (layers, pooling)
