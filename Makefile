@@ -2,8 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 EXTRAS ?= cpu,test
-STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: setup demo test bench-cpu clean
 
