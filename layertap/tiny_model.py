@@ -53,7 +53,7 @@ def _config(arch: str, vocab_size: int, num_layers: int, hidden_size: int):
         pad_token_id=2,
         tie_word_embeddings=False,
         initializer_range=0.05,
-        torch_dtype="float32",
+        dtype="float32",
     )
     if arch == "llama":
         from transformers import LlamaConfig
@@ -96,7 +96,7 @@ def build_tiny_model(
     tokenizer = _byte_level_tokenizer()
     config = _config(arch, len(tokenizer), num_layers, hidden_size)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     model.save_pretrained(staging, safe_serialization=True)
