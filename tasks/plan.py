@@ -30,9 +30,9 @@ def register_extraction(
         hidden_size=info.hidden_size,
         num_layers=info.num_layers,
     )
+    resolved = resolve_layers(layers, info.num_layers)  # a bad index fails before the store is touched
     db = StoreDB(store)
     extraction_id = db.register_extraction(key)
-    resolved = resolve_layers(layers, info.num_layers)
     get_run_logger().info(
         "extraction %s: model %s (%s, %d layers, hidden %d), %s pooling, %s, rules %s, layers %s",
         extraction_id,

@@ -92,6 +92,11 @@ def _layer_input(args, kwargs) -> torch.Tensor:
     return hidden if residual is None else hidden + residual
 
 
+def _finished(cursor) -> list[bool]:
+    """Which requests of the step completed their prompt (the others were split by chunked prefill)."""
+    return (cursor.prompt_lens_cpu == cursor.seq_lens_cpu).tolist()
+
+
 class LayerCapturePooler(nn.Module):
     """Pooler that yields, per finished request, its pooled outputs of the captured layers.
 
@@ -146,7 +151,7 @@ class LayerCapturePooler(nn.Module):
         buffer is already laid out layer by layer for the Parquet writer. The copies are asynchronous
         (pinned memory) and ordered on the compute stream, so they overlap the next steps' compute.
         """
-        finished = (cursor.prompt_lens_cpu == cursor.seq_lens_cpu).nonzero().flatten().tolist()
+        finished = [r for r, done in enumerate(_finished(cursor)) if done]
         slots = [-1] * pooled.shape[1]
         if finished:
             start = self.sink_used
@@ -173,7 +178,7 @@ class LayerCapturePooler(nn.Module):
         sums = torch.zeros((len(views), num_reqs, views[0].shape[-1]), dtype=torch.float32, device=device)
         for i, view in enumerate(views):
             sums[i].index_add_(0, segments, view[:total].float())
-        finished = (cursor.prompt_lens_cpu == cursor.seq_lens_cpu).tolist()
+        finished = _finished(cursor)
         for r in range(num_reqs):
             if finished[r] and int(counts[r]) == int(cursor.prompt_lens_cpu[r]):
                 sums[:, r] /= int(counts[r])  # the whole prompt ran in this step: nothing to carry

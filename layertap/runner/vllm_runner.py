@@ -23,7 +23,7 @@ from layertap.runner.vllm_compat import CaptureSpec, check_vllm, install_capture
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+DTYPES = ("float32", "float16", "bfloat16")
 # Capture buffers hold one engine step of every hooked layer; keep them well under 2 GiB on a GPU.
 CAPTURE_BUFFER_BYTES = 1536 * 2**20
 CPU_KV_CACHE_BYTES = 2**30
@@ -61,8 +61,8 @@ class VllmRunner:
         self.vllm_version = check_vllm()
         info = read_model_info(options.model)
         self.num_layers, self.hidden_size = info.num_layers, info.hidden_size
-        if options.dtype not in TORCH_DTYPES:
-            raise EngineError(f"dtype: expected one of {', '.join(TORCH_DTYPES)}, got {options.dtype!r}")
+        if options.dtype not in DTYPES:
+            raise EngineError(f"dtype: expected one of {', '.join(DTYPES)}, got {options.dtype!r}")
         on_cpu = _on_cpu()
         # Keep the engine core in this process: the capture pooler is installed by calling into the
         # workers, which across a process boundary would need vLLM's pickle-based serialisation.
@@ -78,7 +78,7 @@ class VllmRunner:
             model=options.model,
             runner="pooling",
             convert="embed",
-            dtype=TORCH_DTYPES[options.dtype],
+            dtype=options.dtype,
             # Hooks run as plain Python in eager mode; prefill-only steps gain little from CUDA graphs.
             enforce_eager=True if options.enforce_eager is None else options.enforce_eager,
             tensor_parallel_size=options.tensor_parallel_size,
@@ -178,8 +178,7 @@ class VllmRunner:
             order[slot] = i
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the asynchronous copies into the sink
-        stacked = sink.numpy() if sink.dtype == torch.float32 else sink.float().numpy()
-        return Extraction(self._by_layer(stacked, layers), order, rejected, num_tokens)
+        return Extraction(self._by_layer(sink.numpy(), layers), order, rejected, num_tokens)
 
     def _by_layer(self, stacked: np.ndarray, layers: tuple[int, ...]) -> dict[int, np.ndarray]:
         if stacked.shape[0] != len(layers) or stacked.shape[2] != self.hidden_size:
