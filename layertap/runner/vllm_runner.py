@@ -1,17 +1,25 @@
 """The hooked vLLM runner: prefill only, every requested layer captured, one engine per process.
 
-Prompts are tokenised here (one fast batch call) and handed to vLLM as token ids, so each output can be
-checked against the ids it was asked for: vLLM returns outputs under its own request ids and this runner
-verifies the match instead of trusting positions.
+Prompts are tokenised by the caller (one fast batch call) and handed to vLLM as token ids, so each output
+can be checked against the ids it was asked for: vLLM returns outputs under its own request ids and this
+runner verifies the match instead of trusting positions.
+
+One thread owns the engine and keeps it fed: `extract` calls from any number of threads queue their
+prompts, the engine thread adds them to vLLM as soon as they arrive and steps the engine while any
+request is unfinished. Batches therefore flow into each other without draining the engine between them,
+and a caller writes its finished batch to disk while the engine already computes the next one.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
+import queue
 import threading
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,13 +27,11 @@ import torch
 from layertap.errors import EngineError
 from layertap.model_fingerprint import read_model_info
 from layertap.runner.base import POOLINGS, Extraction
-from layertap.runner.vllm_compat import CaptureSpec, check_vllm, install_capture
+from layertap.runner.vllm_compat import SINK_KEY, CaptureSpec, Sink, capture_pooler, check_vllm, install_capture
 
 log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "float16", "bfloat16")
-# Capture buffers hold one engine step of every hooked layer; keep them well under 2 GiB on a GPU.
-CAPTURE_BUFFER_BYTES = 1536 * 2**20
 CPU_KV_CACHE_BYTES = 2**30
 
 
@@ -45,6 +51,20 @@ class EngineOptions:
     load_format: str | None = None
     kv_cache_memory_bytes: int | None = None
     seed: int = 0
+
+
+@dataclass
+class _Job:
+    """One `extract` call in flight: its prompts, where their vectors go, and who is waiting."""
+
+    key: str
+    capture: tuple[tuple[int, ...], str]
+    token_ids: list[list[int]]
+    sink: Sink | None
+    future: Future = field(default_factory=Future)
+    slots: list[int | None] = field(default_factory=list)
+    vectors: list[torch.Tensor | None] = field(default_factory=list)
+    remaining: int = 0
 
 
 def _on_cpu() -> bool:
@@ -95,8 +115,6 @@ class VllmRunner:
                      "kv_cache_memory_bytes"):
             if getattr(options, name) is not None:
                 kwargs[name] = getattr(options, name)
-        if options.max_num_batched_tokens is None:
-            kwargs["max_num_batched_tokens"] = self._default_step_tokens()
         log.info("starting vLLM %s on %s", self.vllm_version, options.model)
         try:
             self.llm = LLM(**kwargs)
@@ -105,44 +123,32 @@ class VllmRunner:
         config = self.llm.llm_engine.vllm_config
         self.max_model_len = config.model_config.max_model_len
         self.step_tokens = config.scheduler_config.max_num_batched_tokens
+        self.capture_buffer_bytes = 0
         self._capture: tuple[tuple[int, ...], str] | None = None
         self._pooler = None
-        self._lock = threading.Lock()
-        self.capture_buffer_bytes = 0
+        # With one worker in this process, vectors go straight into host buffers of our own; across
+        # tensor-parallel processes they travel in vLLM's outputs.
+        self._in_process = options.tensor_parallel_size == 1
+        self._ids = itertools.count()
+        self._inbox: queue.Queue[_Job | None] = queue.Queue()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="layertap-engine", daemon=True)
+        self._thread.start()
 
-    def _default_step_tokens(self) -> int:
-        per_token = (self.num_layers + 1) * self.hidden_size * (4 if self.options.dtype == "float32" else 2)
-        return int(max(512, min(8192, CAPTURE_BUFFER_BYTES // per_token)) // 256 * 256)
-
-    def _ensure_capture(self, layers: tuple[int, ...], pooling: str) -> None:
-        if self._capture == (layers, pooling):
-            return
-        spec = CaptureSpec(layers=layers, num_layers=self.num_layers, hidden_size=self.hidden_size,
-                           pooling=pooling, max_tokens=self.step_tokens + 256)
-        sizes = self.llm.apply_model(functools.partial(install_capture, spec=spec))  # pickled for TP workers
-        self.capture_buffer_bytes = max(sizes)
-        self._capture = (layers, pooling)
-        # With one worker in this process the pooler object is ours to hand a host buffer to.
-        if self.options.tensor_parallel_size == 1:
-            self._pooler = self.llm.apply_model(lambda model: model.pooler)[0]
-
+    # --- the caller's side ----------------------------------------------------------------------
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=True)["input_ids"]
 
     def extract(self, texts: list[str], layers: list[int], pooling: str) -> Extraction:
-        """Pool `layers` (HF indices, sorted) for `texts`; over-long prompts are rejected, not truncated."""
-        with self._lock:  # one engine, one caller at a time; callers may write results concurrently
-            return self._extract(texts, layers, pooling)
+        """Pool `layers` (HF indices, sorted) for `texts`; over-long prompts are rejected, not truncated.
 
-    def _extract(self, texts: list[str], layers: list[int], pooling: str) -> Extraction:
-        from vllm import PoolingParams
-
+        Safe to call from several threads at once: their prompts share the engine's steps.
+        """
         if pooling not in POOLINGS:
             raise EngineError(f"pooling: expected one of {', '.join(POOLINGS)}, got {pooling!r}")
         layers = tuple(sorted(set(layers)))
         if not texts:
             return Extraction({layer: np.empty((0, self.hidden_size), np.float32) for layer in layers}, [])
-        self._ensure_capture(layers, pooling)
         token_ids = self.tokenize(texts)
         kept, rejected = [], {}
         for i, ids in enumerate(token_ids):
@@ -150,35 +156,38 @@ class VllmRunner:
                 rejected[i] = f"too long: {len(ids)} tokens > max_model_len {self.max_model_len}"
             else:
                 kept.append(i)
-        # Mean pooling needs every prompt token's hidden state, so it must not reuse cached prefixes.
-        params = PoolingParams(task="embed", skip_reading_prefix_cache=pooling == "mean")
-        prompts = [{"prompt_token_ids": token_ids[i]} for i in kept]
-        sink = self._open_sink(len(layers), len(kept)) if self._pooler is not None else None
-        try:
-            outputs = self.llm.encode(prompts, pooling_params=params, pooling_task="embed", use_tqdm=False)
-        finally:
-            if sink is not None:
-                self._pooler.sink = None
-        if len(outputs) != len(kept):
-            raise EngineError(f"vLLM returned {len(outputs)} outputs for {len(kept)} prompts")
-        for i, output in zip(kept, outputs):
-            if list(output.prompt_token_ids) != token_ids[i]:
-                raise EngineError(f"vLLM output {output.request_id} does not belong to prompt {i}")
         num_tokens = sum(len(token_ids[i]) for i in kept)
+        if not kept:
+            empty = {layer: np.empty((0, self.hidden_size), np.float32) for layer in layers}
+            return Extraction(empty, [], rejected, 0)
+        sink = None
+        if self._in_process:
+            vectors = torch.empty((len(layers), len(kept), self.hidden_size), dtype=torch.float32,
+                                  pin_memory=torch.cuda.is_available())
+            sink = Sink(vectors)
+        job = _Job(key=f"j{next(self._ids)}", capture=(layers, pooling),
+                   token_ids=[token_ids[i] for i in kept], sink=sink)
+        self._submit(job)
+        job.future.result()
         if sink is None:
-            stacked = torch.stack([output.outputs.data for output in outputs], dim=1).float().numpy()
+            stacked = torch.stack(job.vectors, dim=1).float().numpy()
             return Extraction(self._by_layer(stacked, layers), kept, rejected, num_tokens)
-        # Each output names the sink slot its vectors were copied to; rows stay in slot order and
-        # `kept` is permuted to match, so no host-side gather of the vectors is needed.
-        slots = torch.cat([output.outputs.data.flatten() for output in outputs]).tolist()
-        if sorted(slots) != list(range(len(kept))):
+        # Rows are in the order requests finished; `kept` is permuted to match, so no host-side
+        # gather of the vectors is needed.
+        if sorted(job.slots) != list(range(len(kept))):
             raise EngineError("capture slots do not cover every prompt exactly once")
         order = [0] * len(kept)
-        for i, slot in zip(kept, slots):
-            order[slot] = i
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # the asynchronous copies into the sink
-        return Extraction(self._by_layer(sink.numpy(), layers), order, rejected, num_tokens)
+        for position, slot in enumerate(job.slots):
+            order[slot] = kept[position]
+        sink.wait()  # the asynchronous copies into the host buffer
+        return Extraction(self._by_layer(sink.vectors.numpy(), layers), order, rejected, num_tokens)
+
+    def _submit(self, job: _Job) -> None:
+        if self._failure is not None:
+            raise EngineError(f"the engine failed earlier: {self._failure}") from self._failure
+        if self.llm is None:
+            raise EngineError("the engine is closed")
+        self._inbox.put(job)
 
     def _by_layer(self, stacked: np.ndarray, layers: tuple[int, ...]) -> dict[int, np.ndarray]:
         if stacked.shape[0] != len(layers) or stacked.shape[2] != self.hidden_size:
@@ -186,17 +195,108 @@ class VllmRunner:
                               f"({len(layers)}, n, {self.hidden_size})")
         return {layer: stacked[j] for j, layer in enumerate(layers)}
 
-    def _open_sink(self, num_layers: int, num_prompts: int) -> torch.Tensor:
-        """A fresh host buffer for this call (pinned on a GPU, from torch's caching host allocator)."""
-        sink = torch.empty((num_layers, num_prompts, self.hidden_size), dtype=torch.float32,
-                           pin_memory=torch.cuda.is_available())
-        self._pooler.sink, self._pooler.sink_used = sink, 0
-        return sink
+    # --- the engine thread ----------------------------------------------------------------------
+    def _serve(self) -> None:
+        """Admit queued jobs, step the engine, hand finished requests to their jobs; until closed."""
+        waiting: list[_Job] = []
+        active: dict[str, _Job] = {}
+        try:
+            while True:
+                block = not active and not waiting
+                while True:
+                    try:
+                        job = self._inbox.get(block=block)
+                    except queue.Empty:
+                        break
+                    if job is None:
+                        raise EngineError("the engine is closed")
+                    waiting.append(job)
+                    block = False
+                # A job that needs other layers or pooling waits until the engine has drained.
+                while waiting and (not active or waiting[0].capture == self._capture):
+                    job = waiting.pop(0)
+                    try:
+                        self._admit(job)
+                    except Exception as exc:
+                        job.future.set_exception(exc)
+                        continue
+                    active[job.key] = job
+                if active:
+                    for output in self.llm.llm_engine.step():
+                        self._deliver(output, active)
+        except BaseException as exc:  # the engine is unusable: every waiting caller gets the error
+            self._failure = exc
+            for job in [*active.values(), *waiting]:
+                if not job.future.done():
+                    job.future.set_exception(exc if isinstance(exc, EngineError)
+                                             else EngineError(f"vLLM failed: {exc}"))
+            while True:
+                try:
+                    job = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None and not job.future.done():
+                    job.future.set_exception(EngineError(f"the engine failed: {exc}"))
+            if not isinstance(exc, EngineError) or str(exc) != "the engine is closed":
+                log.error("engine thread stopped: %s", exc)
+
+    def _admit(self, job: _Job) -> None:
+        from vllm import PoolingParams
+
+        self._ensure_capture(*job.capture)
+        extra = None
+        if job.sink is not None:
+            self._pooler.sinks[job.key] = job.sink
+            extra = {SINK_KEY: job.key}
+        # Mean pooling needs every prompt token's hidden state, so it must not reuse cached prefixes.
+        params = PoolingParams(task="embed", skip_reading_prefix_cache=job.capture[1] == "mean",
+                               extra_kwargs=extra)
+        job.remaining = len(job.token_ids)
+        job.slots = [None] * job.remaining
+        job.vectors = [None] * job.remaining
+        engine = self.llm.llm_engine
+        for i, ids in enumerate(job.token_ids):
+            engine.add_request(f"{job.key}:{i}", {"prompt_token_ids": ids}, params)
+
+    def _deliver(self, output, active: dict[str, _Job]) -> None:
+        if not output.finished:
+            return
+        key, _, index = output.request_id.partition(":")
+        job = active.get(key)
+        if job is None:
+            raise EngineError(f"vLLM returned an output for unknown request {output.request_id!r}")
+        i = int(index.split("-")[0])
+        if list(output.prompt_token_ids) != job.token_ids[i]:
+            raise EngineError(f"vLLM output {output.request_id} does not belong to prompt {i} of its batch")
+        data = output.outputs.data
+        if job.sink is not None:
+            job.slots[i] = int(data.flatten()[0])
+        else:
+            job.vectors[i] = data
+        job.remaining -= 1
+        if job.remaining == 0:
+            del active[key]
+            if self._pooler is not None:
+                self._pooler.sinks.pop(key, None)
+            job.future.set_result(None)
+
+    def _ensure_capture(self, layers: tuple[int, ...], pooling: str) -> None:
+        if self._capture == (layers, pooling):
+            return
+        spec = CaptureSpec(layers=layers, num_layers=self.num_layers, hidden_size=self.hidden_size,
+                           pooling=pooling)
+        sizes = self.llm.collective_rpc(functools.partial(install_capture, spec=spec))  # pickled for TP
+        self.capture_buffer_bytes = max(sizes)
+        self._capture = (layers, pooling)
+        if self._in_process:  # the pooler object is ours to hand host buffers to
+            self._pooler = self.llm.collective_rpc(capture_pooler)[0]
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is None:
             return
+        self._inbox.put(None)
+        self._thread.join()
         self.llm = None
         try:
             llm.llm_engine.engine_core.shutdown()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from runner_fixtures import MAX_ABS_ERROR, MIN_COSINE, STEP_TOKENS, varied_prompts
@@ -94,11 +96,42 @@ def test_per_request_tensor_path_used_across_processes(engines, references):
     runner = engines("llama")
     prompts = varied_prompts(30, seed=4)
     layers = [0, 1, runner.num_layers]
-    runner.extract(prompts[:1], layers, "mean")  # installs the capture for these layers
-    pooler, runner._pooler = runner._pooler, None
+    runner._in_process = False
     try:
         ours = runner.extract(prompts, layers, "mean")
         assert ours.kept == list(range(len(prompts)))
         assert_parity(ours, references("llama").extract(prompts, layers, "mean"), layers)
     finally:
-        runner._pooler = pooler
+        runner._in_process = True
+
+
+def test_concurrent_callers_share_the_engine_and_get_their_own_rows(engines, references):
+    """Batches from several threads are in flight together; a call with another pooling waits its turn."""
+    runner = engines("llama")
+    layers = [0, 2, runner.num_layers]
+    calls = [(varied_prompts(40, seed=10 + i), "mean" if i == 2 else "last") for i in range(4)]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        results = list(pool.map(lambda call: runner.extract(call[0], layers, call[1]), calls))
+    for (prompts, pooling), ours in zip(calls, results):
+        assert sorted(ours.kept) == list(range(len(prompts)))
+        assert_parity(ours, references("llama").extract(prompts, layers, pooling), layers)
+
+
+def test_a_failed_engine_fails_every_waiting_call_with_a_clear_error(model_dirs):
+    """An error inside an engine step reaches every caller instead of leaving them waiting."""
+    from layertap.runner.vllm_runner import EngineOptions, VllmRunner
+
+    runner = VllmRunner(EngineOptions(model=model_dirs["llama"], kv_cache_memory_bytes=64 * 2**20))
+    try:
+        runner.extract(["warm"], [1], "last")
+
+        def broken_step():
+            raise RuntimeError("device lost")
+
+        runner.llm.llm_engine.step = broken_step  # the fault, injected at the engine boundary
+        with pytest.raises(EngineError, match="device lost"):
+            runner.extract(varied_prompts(5), [1], "last")
+        with pytest.raises(EngineError, match="failed earlier"):
+            runner.extract(["again"], [1], "last")
+    finally:
+        runner.close()
