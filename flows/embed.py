@@ -7,6 +7,7 @@ ingest -> normalise/dedup -> register extraction -> plan -> per batch: extract -
 from __future__ import annotations
 
 import time
+from collections import deque
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -36,9 +37,9 @@ def resolve_model(settings: Settings) -> str:
     return build_tiny_model(settings.demo_model_dir())
 
 
-def _extract(store: str, store_uuid: str, batch: dict, settings: Settings) -> dict:
-    """Extract one batch, reusing a cached part only while its file is still where the cache says."""
-    part = extract_batch(store, store_uuid, batch, settings)
+def _extracted(future, store: str, store_uuid: str, batch: dict, settings: Settings) -> dict:
+    """A batch's part, reusing a cached part only while its file is still where the cache says."""
+    part = future.result()
     if part["relpath"] is not None and not (Path(store) / part["relpath"]).is_file():
         part = extract_batch.with_options(refresh_cache=True)(store, store_uuid, batch, settings)
     return part
@@ -56,6 +57,7 @@ def embed_flow(
     remove_period: bool | None = None,
     batch_size: int | None = None,
     parity_sample: int | None = None,
+    batches_in_flight: int | None = None,
     max_num_batched_tokens: int | None = None,
     max_model_len: int | None = None,
     gpu_memory_utilization: float | None = None,
@@ -82,6 +84,7 @@ def embed_flow(
             remove_period=remove_period,
             batch_size=batch_size,
             parity_sample=parity_sample,
+            batches_in_flight=batches_in_flight,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -110,13 +113,20 @@ def embed_flow(
         batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size)
         planned = sum(b["num_prompts"] for b in batches)
 
+        # Up to `batches_in_flight` extractions run at once: the engine stays busy on the next batches
+        # while the previous one is written, validated and published (publishing stays in batch order).
         embedded = refused = 0
-        for index, batch in enumerate(batches):
-            part = _extract(store_dir, key["store_uuid"], batch, settings)
-            validate_batch(store_dir, part, key["hidden_size"], settings, parity=index == 0)
-            published = publish_batch(store_dir, part)
-            embedded += published["published"]
-            refused += published["rejected"]
+        in_flight: deque = deque()
+        for index, batch in enumerate([*batches, None]):
+            if batch is not None:
+                in_flight.append((index, batch, extract_batch.submit(store_dir, key["store_uuid"], batch, settings)))
+            while in_flight and (batch is None or len(in_flight) > settings.batches_in_flight):
+                done, done_batch, future = in_flight.popleft()
+                part = _extracted(future, store_dir, key["store_uuid"], done_batch, settings)
+                validate_batch(store_dir, part, key["hidden_size"], settings, parity=done == 0)
+                published = publish_batch(store_dir, part)
+                embedded += published["published"]
+                refused += published["rejected"]
         ledger = validate_store(store_dir, key["rules_id"], eid, layer_list)
         if not batches:
             logger.info("nothing to extract: %d prompts already embedded", ledger["embedded"])

@@ -48,6 +48,8 @@ class Settings(BaseSettings):
 
     # Work sizing and checks.
     batch_size: int = Field(1024, ge=1)
+    # Batches extracted at once: the engine computes one while the others are written and published.
+    batches_in_flight: int = Field(2, ge=1)
     parity_sample: int = Field(8, ge=0)
 
     # Engine options, passed through to the runner.

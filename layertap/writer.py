@@ -71,7 +71,17 @@ def write_part(
     final_dir.mkdir(parents=True, exist_ok=True)
     staged = staging / f"{extraction_id}-{part_id}-{uuid.uuid4().hex}.parquet"  # retries never share one
     with open(staged, "wb") as f:
-        pq.write_table(table, f, compression="zstd", use_dictionary=False)
+        pq.write_table(
+            table, f,
+            # Floats do not compress as they are, but split into byte planes they do: sign/exponent bytes
+            # repeat, and bfloat16 values held as float32 have two all-zero planes. LZ4 keeps the encoder
+            # and every later read fast; page checksums let readers detect a damaged file.
+            compression="lz4",
+            use_byte_stream_split=[f"{name}.list.element" for name in table.column_names[1:]],
+            use_dictionary=False,
+            write_statistics=["prompt_hash"],
+            write_page_checksum=True,
+        )
         f.flush()
         os.fsync(f.fileno())
     os.replace(staged, final_dir / f"{part_id}.parquet")

@@ -10,7 +10,9 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.tasks import exponential_backoff
 
+from layertap import validate as checks
 from layertap.engine_cache import discard_runner, get_runner
+from layertap.errors import ValidationError
 from layertap.settings import Settings
 from layertap.store import StoreDB
 from layertap.writer import write_part
@@ -64,8 +66,14 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
     kept = [hashes[i] for i in result.kept]
     rejected = {hashes[i]: reason for i, reason in sorted(result.rejected.items())}
     part_id = part_id_for(batch["extraction_id"], layers, batch["prompt_hashes_digest"])
-    relpath = None
+    relpath = problem = None
     if kept:
+        # Values are checked here, in memory, so the published part never has to be read back whole;
+        # a failing part is still written, for validate-batch to quarantine and report.
+        try:
+            checks.check_vectors(result.vectors, layers, len(kept), runner.hidden_size)
+        except ValidationError as exc:
+            problem = str(exc)
         relpath = str(write_part(store, batch["extraction_id"], part_id, kept, result.vectors, settings.dtype))
     logger.info(
         "extract batch %s: %d prompts x %d layers in %.2fs (%d tokens), %d rejected -> %s",
@@ -85,4 +93,5 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         "layers": layers,
         "num_prompts": len(kept),
         "rejected": rejected,
+        "problem": problem,
     }

@@ -27,7 +27,8 @@ def quarantine(store: str, extraction_id: str, relpath: str) -> str | None:
 
 @task(name="validate-batch", cache_policy=NO_CACHE)
 def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings, parity: bool) -> dict:
-    """Structural checks on every part; on the run's first part also a parity sample against Hugging Face.
+    """Every part: its file against the batch, and the values' check made before writing; on the run's first
+    part also a parity sample against Hugging Face.
 
     Checks are deterministic, so there are no retries: a failure quarantines the part and stops the run
     with a message naming the check.
@@ -42,6 +43,8 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
     done = []
     try:
         stored = checks.check_part(path, expected, part["layers"], hidden_size)
+        if part.get("problem"):
+            raise CheckFailed(part["problem"])
         done.append("part")
         if parity and settings.parity_sample > 0:
             text_of = dict(zip(hashes, texts))

@@ -205,10 +205,12 @@ def test_more_layers_extract_only_missing_ones(run, tmp_path):
     assert third["planned"] == 0
 
 
-def test_batches_follow_batch_size(run, tmp_path):
+@pytest.mark.parametrize("in_flight", [1, 3])
+def test_batches_follow_batch_size(run, tmp_path, in_flight):
+    """Several batches extract at once (they share the engine's steps); each still gets its own part."""
     from layertap import Store
 
-    summary, _ = run([write_jsonl(tmp_path / "in.jsonl", ROWS)], batch_size=3)
+    summary, _ = run([write_jsonl(tmp_path / "in.jsonl", ROWS)], batch_size=3, batches_in_flight=in_flight)
     assert summary["embedded"] == DISTINCT
     assert [n for _, _, n in parts(summary["store"])] and sum(n for _, _, n in parts(summary["store"])) == DISTINCT
     assert max(n for _, _, n in parts(summary["store"])) <= 3

@@ -34,6 +34,13 @@ def test_part_that_does_not_match_its_batch_fails(tmp_path, hashes, layers, hidd
         check_part(str(path), hashes, layers, hidden)
 
 
+def test_torn_part_fails(tmp_path):
+    path = tmp_path / write_part(tmp_path, "e1", "p1", HASHES, vectors(), "float32")
+    path.write_bytes(path.read_bytes()[:-100])  # a write cut short: no whole footer
+    with pytest.raises(ValidationError, match="readable"):
+        check_part(str(path), HASHES, [0, 3], 8)
+
+
 def test_unreadable_part_fails(tmp_path):
     (tmp_path / "broken.parquet").write_bytes(b"not parquet")
     with pytest.raises(ValidationError, match="readable"):
