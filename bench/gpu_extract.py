@@ -25,11 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-WORKLOADS = {"short": (4096, 18), "medium": (2000, 240)}
+WORKLOADS = {"short": (4096, 18), "medium": (2000, 240), "short100k": (100_000, 18)}
 # The per-prompt HF loop and vLLM's file-per-request extractor are measured on a prefix of the workload
 # (their cost is linear in prompts; the full set would take minutes or hundreds of GB of /dev/shm).
 SUBSET = {"hf_loop": {"short": 256, "medium": 128}, "vllm_extract_hidden_states": {"short": 1024, "medium": 200}}
 MODES = ["hf_loop", "hf_batched", "vllm_plain", "layertap", "layertap_runner", "vllm_extract_hidden_states"]
+BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "1024"))
+IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "3"))
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                  intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be has or had "
@@ -111,6 +113,8 @@ def run_layertap(model_dir: str, prompts: list[str]) -> dict:
     """End to end through the `embed` flow: ingest, normalise, plan, extract, write Parquet, validate,
     publish, then read the last layer back through `Store`. The engine is started (and timed) by a
     warm-up run and kept for the measured run, as a worker process keeps it between batches."""
+    import shutil
+
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
@@ -124,7 +128,7 @@ def run_layertap(model_dir: str, prompts: list[str]) -> dict:
     pacsv.write_csv(pa.table({"text": [f"warm-up prompt number {i}" for i in range(64)]}), warm)
     pacsv.write_csv(pa.table({"text": prompts}), data)
     common = dict(model=model_dir, layers="all", pooling="last", dtype="bfloat16", parity_sample=0,
-                  batch_size=int(os.environ.get("BENCH_BATCH_SIZE", "1024")))
+                  batch_size=BATCH, batches_in_flight=IN_FLIGHT)
     with engine_cache.pin():
         t0 = time.perf_counter()
         embed_flow(input=[str(warm)], store=str(work / "warm-store"), **common)
@@ -133,14 +137,22 @@ def run_layertap(model_dir: str, prompts: list[str]) -> dict:
         summary = embed_flow(input=[str(data)], store=str(work / "store"), **common)
         table = Store(work / "store").embeddings(layer=-1)
         seconds = time.perf_counter() - start
+        runner = next(iter(engine_cache._runners.values()))
+        capture = runner.capture_buffer_bytes
+    store_bytes = sum(f.stat().st_size for f in (work / "store").rglob("*") if f.is_file())
     assert table.num_rows == summary["embedded"] == len(set(prompts)), (table.num_rows, summary)
+    shutil.rmtree(work, ignore_errors=True)
     return {"seconds": seconds, "startup_and_warmup_s": startup, "flow_seconds": summary["seconds"],
-            "embedded": summary["embedded"], "batch_size": common["batch_size"],
+            "embedded": summary["embedded"], "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
+            "store_bytes": store_bytes, "capture_buffer_bytes": capture,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def run_layertap_runner(model_dir: str, prompts: list[str]) -> dict:
-    """The hooked runner alone: vectors for every prompt in host memory, no store."""
+    """The hooked runner alone: vectors for every prompt in host memory, no store. Batches are submitted
+    from several threads at once, as the flow does, so the engine never drains between them."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
 
     t0 = time.perf_counter()
@@ -148,11 +160,14 @@ def run_layertap_runner(model_dir: str, prompts: list[str]) -> dict:
     startup = time.perf_counter() - t0
     layers = list(range(runner.num_layers + 1))
     runner.extract(prompts[:64], layers, "last")  # warm-up
+    batches = [prompts[i:i + BATCH] for i in range(0, len(prompts), BATCH)]
     start = time.perf_counter()
-    for i in range(0, len(prompts), 1024):
-        runner.extract(prompts[i:i + 1024], layers, "last")
-    return {"seconds": time.perf_counter() - start, "startup_s": startup,
-            "capture_buffer_bytes": runner.capture_buffer_bytes, "step_tokens": runner.step_tokens}
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        done = sum(len(r.kept) for r in pool.map(lambda b: runner.extract(b, layers, "last"), batches))
+    seconds = time.perf_counter() - start
+    assert done == len(prompts)
+    return {"seconds": seconds, "startup_s": startup, "capture_buffer_bytes": runner.capture_buffer_bytes,
+            "step_tokens": runner.step_tokens, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT}
 
 
 def run_vllm_extract_hidden_states(model_dir: str, prompts: list[str]) -> dict:
@@ -187,7 +202,7 @@ def run_vllm_extract_hidden_states(model_dir: str, prompts: list[str]) -> dict:
 def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
     prompts = make_prompts(workload)
     if mode in SUBSET:
-        prompts = prompts[: SUBSET[mode][workload]]
+        prompts = prompts[: SUBSET[mode].get(workload, len(prompts))]
     try:
         if mode in ("hf_loop", "hf_batched"):
             result = run_hf(model_dir, prompts, batched=mode == "hf_batched")
