@@ -109,6 +109,34 @@ def run_vllm_plain(model_dir: str, prompts: list[str]) -> dict:
     return {"seconds": time.perf_counter() - start, "startup_s": startup}
 
 
+def _rss_gib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+class RssSampler:
+    """Peak resident memory while a block runs, sampled every 50 ms (ru_maxrss also counts engine start)."""
+
+    def __enter__(self):
+        import threading
+
+        self.peak, self._stop = _rss_gib(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, _rss_gib())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def run_layertap(model_dir: str, prompts: list[str]) -> dict:
     """End to end through the `embed` flow: ingest, normalise, plan, extract, write Parquet, validate,
     publish, then read the last layer back through `Store`. The engine is started (and timed) by a
@@ -133,10 +161,12 @@ def run_layertap(model_dir: str, prompts: list[str]) -> dict:
         t0 = time.perf_counter()
         embed_flow(input=[str(warm)], store=str(work / "warm-store"), **common)
         startup = time.perf_counter() - t0
-        start = time.perf_counter()
-        summary = embed_flow(input=[str(data)], store=str(work / "store"), **common)
-        table = Store(work / "store").embeddings(layer=-1)
-        seconds = time.perf_counter() - start
+        rss_before = _rss_gib()
+        with RssSampler() as rss:
+            start = time.perf_counter()
+            summary = embed_flow(input=[str(data)], store=str(work / "store"), **common)
+            table = Store(work / "store").embeddings(layer=-1)
+            seconds = time.perf_counter() - start
         runner = next(iter(engine_cache._runners.values()))
         capture = runner.capture_buffer_bytes
     store_bytes = sum(f.stat().st_size for f in (work / "store").rglob("*") if f.is_file())
@@ -145,7 +175,8 @@ def run_layertap(model_dir: str, prompts: list[str]) -> dict:
     return {"seconds": seconds, "startup_and_warmup_s": startup, "flow_seconds": summary["seconds"],
             "embedded": summary["embedded"], "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
             "store_bytes": store_bytes, "capture_buffer_bytes": capture,
-            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            "rss_before_run_gib": rss_before, "peak_rss_during_run_gib": rss.peak,
+            "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def run_layertap_runner(model_dir: str, prompts: list[str]) -> dict:
