@@ -129,12 +129,15 @@ class VllmRunner:
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=True)["input_ids"]
 
-    def extract(self, texts: list[str], layers: list[int], pooling: str) -> Extraction:
-        """Pool `layers` (HF indices, sorted) for `texts`; over-long prompts are rejected, not truncated."""
+    def extract(
+        self, texts: list[str], layers: list[int], pooling: str, truncate_to: int | None = None
+    ) -> Extraction:
+        """Pool `layers` (HF indices, sorted) for `texts`. Over-long prompts are rejected, or, when the caller
+        asks for it, cut to their first `truncate_to` tokens."""
         with self._lock:  # one engine, one caller at a time; callers may write results concurrently
-            return self._extract(texts, layers, pooling)
+            return self._extract(texts, layers, pooling, truncate_to)
 
-    def _extract(self, texts: list[str], layers: list[int], pooling: str) -> Extraction:
+    def _extract(self, texts: list[str], layers: list[int], pooling: str, truncate_to: int | None) -> Extraction:
         from vllm import PoolingParams
 
         if pooling not in POOLINGS:
@@ -143,10 +146,16 @@ class VllmRunner:
         if not texts:
             return Extraction({layer: np.empty((0, self.hidden_size), np.float32) for layer in layers}, [])
         self._ensure_capture(layers, pooling)
+        if truncate_to is not None and not 0 < truncate_to <= self.max_model_len:
+            raise EngineError(f"truncate_to {truncate_to} is outside 1..max_model_len {self.max_model_len}")
         token_ids = self.tokenize(texts)
-        kept, rejected = [], {}
+        kept, rejected, truncated = [], {}, {}
         for i, ids in enumerate(token_ids):
-            if len(ids) > self.max_model_len:
+            if truncate_to is not None and len(ids) > truncate_to:
+                truncated[i] = len(ids)
+                token_ids[i] = ids[:truncate_to]
+                kept.append(i)
+            elif len(ids) > self.max_model_len:
                 rejected[i] = f"too long: {len(ids)} tokens > max_model_len {self.max_model_len}"
             else:
                 kept.append(i)
@@ -167,7 +176,7 @@ class VllmRunner:
         num_tokens = sum(len(token_ids[i]) for i in kept)
         if sink is None:
             stacked = torch.stack([output.outputs.data for output in outputs], dim=1).float().numpy()
-            return Extraction(self._by_layer(stacked, layers), kept, rejected, num_tokens)
+            return Extraction(self._by_layer(stacked, layers), kept, rejected, num_tokens, truncated)
         # Each output names the sink slot its vectors were copied to; rows stay in slot order and
         # `kept` is permuted to match, so no host-side gather of the vectors is needed.
         slots = torch.cat([output.outputs.data.flatten() for output in outputs]).tolist()
@@ -178,7 +187,7 @@ class VllmRunner:
             order[slot] = i
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the asynchronous copies into the sink
-        return Extraction(self._by_layer(sink.numpy(), layers), order, rejected, num_tokens)
+        return Extraction(self._by_layer(sink.numpy(), layers), order, rejected, num_tokens, truncated)
 
     def _by_layer(self, stacked: np.ndarray, layers: tuple[int, ...]) -> dict[int, np.ndarray]:
         if stacked.shape[0] != len(layers) or stacked.shape[2] != self.hidden_size:
