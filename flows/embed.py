@@ -13,18 +13,26 @@ from prefect import flow, get_run_logger
 from pydantic import ValidationError
 
 from layertap import engine_cache
-from layertap.errors import InputError
+from layertap.errors import EngineError, InputError
+from layertap.preflight import check_run
 from layertap.settings import Settings, load_settings, settings_error_line
+from layertap.store_lock import store_lock
+from layertap.truncation import truncation_length
 from tasks import (
     extract_batch,
     ingest,
     normalise,
     plan,
     publish_batch,
+    quarantine_batch,
     register_extraction,
     validate_batch,
     validate_store,
 )
+
+# A run whose first batches all fail has a broken engine or model, not bad batches: stop instead of
+# quarantining everything.
+MAX_FAILURES_BEFORE_SUCCESS = 3
 
 
 def resolve_model(settings: Settings) -> str:
@@ -63,6 +71,8 @@ def embed_flow(
     enforce_eager: bool | None = None,
     trust_remote_code: bool | None = None,
     load_format: str | None = None,
+    truncate: bool | None = None,
+    lock_timeout: float | None = None,
     env_file: str | None = ".env",
 ) -> dict:
     """Embed every input row's prompt at the requested layers; parameters left at None come from
@@ -89,32 +99,48 @@ def embed_flow(
             enforce_eager=enforce_eager,
             trust_remote_code=trust_remote_code,
             load_format=load_format,
+            truncate=truncate,
+            lock_timeout=lock_timeout,
         )
     except ValidationError as exc:
         raise InputError(settings_error_line(exc)) from None
-    if not settings.input:
-        raise InputError("input: no input files given (--input or LAYERTAP_INPUT)")
+    check_run(settings)  # nothing is written before inputs, model, layers and store check out
     store_dir = str(settings.store_path())
     if not settings.model:
         logger.info("no model given: using the tiny demo model in %s", settings.demo_model_dir())
     settings = settings.model_copy(update={"model": resolve_model(settings), "store": store_dir})
 
+    with store_lock(store_dir, settings.lock_timeout):  # one writing run per store; readers never wait on it
+        return _embed_locked(settings, store_dir, started, logger)
+
+
+def _embed_locked(settings: Settings, store_dir: str, started: float, logger) -> dict:
     try:
         ingested = ingest(store_dir, settings.input, settings.text_column)
         normalised = normalise(store_dir, settings.remove_period)
         key = register_extraction(
             store_dir, settings.model, settings.pooling, settings.dtype, settings.remove_period,
             settings.layer_spec(),
+            truncate_to=truncation_length(settings.model, settings.truncate, settings.max_model_len),
         )
         eid, layer_list = key["extraction_id"], key["layers"]
         batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size)
         planned = sum(b["num_prompts"] for b in batches)
 
-        embedded = refused = 0
-        for index, batch in enumerate(batches):
-            part = _extract(store_dir, key["store_uuid"], batch, settings)
-            validate_batch(store_dir, part, key["hidden_size"], settings, parity=index == 0)
+        embedded = refused = succeeded = 0
+        quarantined = []
+        for batch in batches:
+            try:
+                part = _extract(store_dir, key["store_uuid"], batch, settings)
+            except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
+                error = " ".join(f"{type(exc).__name__}: {exc}".split())
+                quarantined.append(quarantine_batch(store_dir, batch, error))
+                if not succeeded and len(quarantined) >= MAX_FAILURES_BEFORE_SUCCESS:
+                    raise EngineError(f"the first {len(quarantined)} batches all failed; last error: {error}")
+                continue
+            validate_batch(store_dir, part, key["hidden_size"], settings, parity=succeeded == 0)
             published = publish_batch(store_dir, part)
+            succeeded += 1
             embedded += published["published"]
             refused += published["rejected"]
         ledger = validate_store(store_dir, key["rules_id"], eid, layer_list)
@@ -139,6 +165,7 @@ def embed_flow(
         "model": settings.model,
         "extraction_id": eid,
         "ledger": ledger,
+        "quarantined": quarantined,
         "seconds": round(time.perf_counter() - started, 3),
     }
     logger.info(

@@ -259,8 +259,29 @@ def _expand_inputs(paths: list[str]) -> list[str]:
 
 
 def _file_sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def check_inputs(paths: list[str], text_column: str) -> list[str]:
+    """Everything ingest would check, without a store: files exist, are readable, have the column.
+
+    Returns the files. Runs on an in-memory database, so a bad input fails before the store is touched.
+    """
+    files = _expand_inputs(paths)
+    with duckdb.connect() as con:
+        for path in files:
+            _file_sha256(path)
+            try:
+                _row_source_sql(con, path, text_column)
+            except _ScanRefused as refused:
+                if not refused.recoverable:
+                    raise refused.as_input_error(path) from None
+                _careful_rows(path, text_column)
+    return files
 
 
 # JSON values that are not text, by DuckDB's json_type, with the reason their rows are rejected.
@@ -626,6 +647,29 @@ class StoreDB:
                                   WHERE x.extraction_id = $eid AND x.prompt_hash = r.prompt_hash)""",
                 {"eid": extraction_id},
             )[0]
+
+    def note_prompts(self, extraction_id: str, notes: dict[str, str]) -> int:
+        """Attach a note to embedded prompts (e.g. truncated to fit); the ledger shows it as the reason."""
+        if not notes:
+            return 0
+        table = pa.table({"prompt_hash": list(notes), "note": list(notes.values())})
+        with self._connect() as con:
+            con.register("noted", table)
+            return _one(
+                con,
+                """INSERT INTO prompt_notes
+                SELECT $eid, n.prompt_hash, n.note FROM noted n
+                WHERE NOT EXISTS (SELECT 1 FROM prompt_notes x
+                                  WHERE x.extraction_id = $eid AND x.prompt_hash = n.prompt_hash)""",
+                {"eid": extraction_id},
+            )[0]
+
+    def quarantine_batch(self, batch_id: str, extraction_id: str, error: str) -> None:
+        """Remember a batch that kept failing; its prompts stay planned, so the next run tries them again."""
+        with self._connect() as con:
+            con.execute(
+                "INSERT OR REPLACE INTO quarantined VALUES (?, ?, ?, now())", [batch_id, extraction_id, error]
+            )
 
     def ledger_counts(self, rules_id: str, extraction_id: str | None, layers: list[int]) -> dict:
         """Rows per status, plus rows per reason (rejections, quarantine errors, notes): {"rows", "embedded",

@@ -12,7 +12,9 @@ from prefect.tasks import exponential_backoff
 
 from layertap.engine_cache import discard_runner, get_runner
 from layertap.settings import Settings
+from layertap.split_on_oom import extract_splitting
 from layertap.store import StoreDB
+from layertap.truncation import truncation_length, truncation_note
 from layertap.writer import write_part
 
 
@@ -44,7 +46,11 @@ def batch_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     result_serializer="json",
 )
 def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) -> dict:
-    """Extract the batch's missing layers with the process's shared engine; return the part's path only."""
+    """Extract the batch's missing layers with the process's shared engine; return the part's path only.
+
+    Out-of-memory halves the batch inside this attempt; any other failure closes the engine (it may be
+    dead or wedged) and Prefect retries the batch, with backoff, on a freshly started one.
+    """
     logger = get_run_logger()
     hashes, texts = StoreDB(store).batch_prompts(batch["batch_id"])
     if len(hashes) != batch["num_prompts"]:
@@ -52,10 +58,12 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
             f"batch {batch['batch_id']} lists {len(hashes)} prompts, the plan said {batch['num_prompts']}"
         )
     layers = list(batch["layers"])
+    truncate_to = truncation_length(settings.model, settings.truncate, settings.max_model_len)
     runner = get_runner(settings)
     started = time.perf_counter()
     try:
-        result = runner.extract(texts, layers, settings.pooling)
+        options = {"truncate_to": truncate_to} if truncate_to else {}
+        result = extract_splitting(runner, texts, layers, settings.pooling, **options)
     except Exception:
         # An engine that failed mid-batch may be wedged; the retry gets a fresh one.
         discard_runner(settings)
@@ -63,6 +71,7 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
     seconds = time.perf_counter() - started
     kept = [hashes[i] for i in result.kept]
     rejected = {hashes[i]: reason for i, reason in sorted(result.rejected.items())}
+    truncated = {hashes[i]: truncation_note(n, truncate_to) for i, n in sorted(result.truncated.items())}
     part_id = part_id_for(batch["extraction_id"], layers, batch["prompt_hashes_digest"])
     relpath = None
     if kept:
@@ -85,4 +94,5 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         "layers": layers,
         "num_prompts": len(kept),
         "rejected": rejected,
+        "truncated": truncated,
     }

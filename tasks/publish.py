@@ -43,9 +43,12 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
     try:
         stored = checks.check_part(path, expected, part["layers"], hidden_size)
         done.append("part")
-        if parity and settings.parity_sample > 0:
+        truncated = part.get("truncated") or {}  # the reference would see the whole prompt: leave them out
+        candidates = [i for i, h in enumerate(stored) if h not in truncated]
+        if parity and settings.parity_sample > 0 and candidates:
             text_of = dict(zip(hashes, texts))
-            rows = checks.parity_sample(stored, settings.parity_sample)
+            picked = checks.parity_sample([stored[i] for i in candidates], settings.parity_sample)
+            rows = [candidates[i] for i in picked]
             report = checks.parity_check(
                 settings.model,
                 [text_of[stored[i]] for i in rows],
@@ -80,6 +83,8 @@ def publish_batch(store: str, part: dict) -> dict:
     rejected = part["rejected"]
     if rejected:
         db.reject_prompts(part["extraction_id"], rejected)
+    if part.get("truncated"):
+        db.note_prompts(part["extraction_id"], part["truncated"])
     if part["relpath"] is not None:
         order = [h for h in hashes if h not in rejected]
         db.publish_part(part["extraction_id"], part["part_id"], part["relpath"], part["layers"], order)
