@@ -10,7 +10,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.tasks import exponential_backoff
 
-from layertap.engine_cache import discard_runner, get_runner
+from layertap.engine_cache import discard_if_dead, get_runner
 from layertap.settings import Settings
 from layertap.split_on_oom import extract_splitting
 from layertap.store import StoreDB
@@ -48,8 +48,8 @@ def batch_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) -> dict:
     """Extract the batch's missing layers with the process's shared engine; return the part's path only.
 
-    Out-of-memory halves the batch inside this attempt; any other failure closes the engine (it may be
-    dead or wedged) and Prefect retries the batch, with backoff, on a freshly started one.
+    Out-of-memory halves the batch inside this attempt; any other failure is retried by Prefect with
+    backoff, on a freshly started engine when the old one no longer answers.
     """
     logger = get_run_logger()
     hashes, texts = StoreDB(store).batch_prompts(batch["batch_id"])
@@ -65,8 +65,8 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         options = {"truncate_to": truncate_to} if truncate_to else {}
         result = extract_splitting(runner, texts, layers, settings.pooling, **options)
     except Exception:
-        # An engine that failed mid-batch may be wedged; the retry gets a fresh one.
-        discard_runner(settings)
+        # An engine that failed mid-batch may be dead or wedged: if it fails a probe, the retry gets a fresh one.
+        discard_if_dead(settings, runner)
         raise
     seconds = time.perf_counter() - started
     kept = [hashes[i] for i in result.kept]

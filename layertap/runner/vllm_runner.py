@@ -202,6 +202,19 @@ class VllmRunner:
         self._pooler.sink, self._pooler.sink_used = sink, 0
         return sink
 
+    def healthy(self) -> bool:
+        """Whether the engine still answers: a one-prompt extraction with the capture already installed."""
+        if getattr(self, "llm", None) is None:
+            return False
+        if self._capture is None:
+            return True
+        try:
+            self.extract(["."], list(self._capture[0]), self._capture[1])
+        except Exception:  # noqa: BLE001 - any failure means the engine cannot be trusted with a batch
+            log.warning("engine failed its health probe", exc_info=True)
+            return False
+        return True
+
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is None:
