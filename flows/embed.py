@@ -52,7 +52,7 @@ def _extract(store: str, store_uuid: str, batch: dict, settings: Settings) -> di
     return part
 
 
-@flow(name="embed", log_prints=False)
+@flow(name="embed", log_prints=False, result_serializer="json")
 def embed_flow(
     input: list[str] | str | None = None,
     text_column: str | None = None,

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from layertap import faults
 from layertap.errors import InputError, StoreError
+from layertap.file_modes import drop_world_write, make_dirs
 from layertap.normalise import REJECT_EMPTY, REJECT_NUL, REJECT_NULL, NormaliseRules
 from layertap.writer import layer_column
 
@@ -374,7 +375,7 @@ class StoreDB:
         self.root = Path(store_dir).expanduser().resolve()
         self.db_path = self.root / DB_NAME
         for sub in ("parts", "staging"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+            make_dirs(self.root / sub)
         with self._connect() as con:
             con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)")
             if _one(con, "SELECT count(*) FROM meta")[0] == 0:
@@ -385,6 +386,7 @@ class StoreDB:
                 )
             _check_version(con, self.db_path)
             self.store_uuid = _one(con, "SELECT value FROM meta WHERE key = 'store_uuid'")[0]
+        drop_world_write(self.db_path)
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
         return _connect(self.db_path)

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from layertap.errors import StoreError
+from layertap.file_modes import create_file, make_dirs
 
 LOCK_NAME = "layertap.lock"
 _POLL_S = 0.1
@@ -81,9 +82,9 @@ def store_lock(store_dir: str | os.PathLike, timeout: float = 0.0) -> Iterator[N
             with _held_lock:
                 _held[key][1] -= 1
         return
-    root.mkdir(parents=True, exist_ok=True)
+    make_dirs(root)
     path = root / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = create_file(path, os.O_RDWR | os.O_CREAT)
     try:
         _acquire(fd, path, timeout)
         holder = {

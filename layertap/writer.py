@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from layertap.file_modes import create_file, make_dirs
+
 # bfloat16 vectors are stored as float32, which holds every bfloat16 value exactly (Arrow has no bfloat16).
 _STORAGE = {"float32": np.float32, "bfloat16": np.float32, "float16": np.float16}
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -67,10 +69,10 @@ def write_part(
     root = Path(store_dir)
     staging = root / "staging"
     final_dir = root / "parts" / extraction_id
-    staging.mkdir(parents=True, exist_ok=True)
-    final_dir.mkdir(parents=True, exist_ok=True)
+    make_dirs(staging)
+    make_dirs(final_dir)
     staged = staging / f"{extraction_id}-{part_id}-{uuid.uuid4().hex}.parquet"  # retries never share one
-    with open(staged, "wb") as f:
+    with os.fdopen(create_file(staged), "wb") as f:
         pq.write_table(table, f, compression="zstd", use_dictionary=False)
         f.flush()
         os.fsync(f.fileno())

@@ -13,7 +13,7 @@ from layertap.normalise import NormaliseRules
 from layertap.store import ExtractionKey, StoreDB
 
 
-@task(name="register-extraction", cache_policy=NO_CACHE)
+@task(name="register-extraction", cache_policy=NO_CACHE, result_serializer="json")
 def register_extraction(
     store: str, model_dir: str, pooling: str, dtype: str, remove_period: bool, layers: str | list[int],
     truncate_to: int | None = None,
@@ -59,7 +59,7 @@ def register_extraction(
     }
 
 
-@task(name="plan", cache_policy=NO_CACHE)
+@task(name="plan", cache_policy=NO_CACHE, result_serializer="json")
 def plan(store: str, extraction_id: str, layers: list[int], rules_id: str, batch_size: int) -> list[dict]:
     """Batches of prompts lacking some requested layer; each batch's prompt list stays in the store."""
     db = StoreDB(store)

@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from layertap import validate as checks
 from layertap.errors import ValidationError as CheckFailed
+from layertap.file_modes import make_dirs
 from layertap.settings import Settings
 from layertap.store import StoreDB
 
@@ -20,12 +21,12 @@ def quarantine(store: str, extraction_id: str, relpath: str) -> str | None:
     if not source.exists():
         return None
     target = Path(store) / "quarantine" / extraction_id / source.name
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(target.parent)
     os.replace(source, target)
     return str(target.relative_to(store))
 
 
-@task(name="validate-batch", cache_policy=NO_CACHE)
+@task(name="validate-batch", cache_policy=NO_CACHE, result_serializer="json")
 def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings, parity: bool) -> dict:
     """Structural checks on every part; on the run's first part also a parity sample against Hugging Face.
 
@@ -75,7 +76,7 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
     return {"batch_id": part["batch_id"], "checks": done}
 
 
-@task(name="publish-batch", cache_policy=NO_CACHE)
+@task(name="publish-batch", cache_policy=NO_CACHE, result_serializer="json")
 def publish_batch(store: str, part: dict) -> dict:
     """One DuckDB transaction makes the part (already fsynced on disk) visible to readers."""
     db = StoreDB(store)

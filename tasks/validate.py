@@ -9,7 +9,7 @@ from layertap.errors import ValidationError as CheckFailed
 from layertap.store import StoreDB
 
 
-@task(name="validate-store", cache_policy=NO_CACHE)
+@task(name="validate-store", cache_policy=NO_CACHE, result_serializer="json")
 def validate_store(store: str, rules_id: str, extraction_id: str, layers: list[int]) -> dict:
     """One result per planned prompt and layer (but those of quarantined batches), and a ledger that accounts
     for every input row."""
