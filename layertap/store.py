@@ -515,6 +515,7 @@ class StoreDB:
                     [eid, key.model_fingerprint, key.model_path, key.pooling, key.dtype, key.rules_id,
                      key.hidden_size, key.num_layers, key.truncate_to],
                 )
+                faults.hit("register.committed")
             elif known != (key.hidden_size, key.num_layers):
                 raise StoreError(
                     f"extraction {eid} was recorded with hidden_size={known[0]}, num_layers={known[1]}; "
@@ -582,7 +583,9 @@ class StoreDB:
                 "SELECT batch_id, layers, digest, num_prompts FROM plan_batches "
                 "ORDER BY missing NULLS FIRST, chunk"
             ).fetchall()
+            faults.hit("plan.before-commit")
             con.commit()
+        faults.hit("plan.committed")
         return [WorkBatch(bid, extraction_id, list(lay), digest, n) for bid, lay, digest, n in found]
 
     def batch_prompts(self, batch_id: str) -> tuple[list[str], list[str]]:
@@ -632,7 +635,9 @@ class StoreDB:
                 [part_id, extraction_id, relpath, layers, len(prompt_hashes)],
             )
             con.execute("INSERT INTO part_prompts SELECT ?, prompt_hash FROM new_part", [part_id])
+            faults.hit("publish.before-commit")
             con.commit()
+        faults.hit("publish.committed")
 
     def reject_prompts(self, extraction_id: str, reasons: dict[str, str]) -> int:
         """Record prompts the engine refused (e.g. too long), so plans skip them and the ledger says why."""
@@ -696,6 +701,7 @@ class StoreDB:
 
         The age guard keeps files of batches still being written or about to be published.
         """
+        faults.hit("sweep")
         with self._connect() as con:
             published = {row[0] for row in con.execute("SELECT path FROM parts").fetchall()}
         cutoff = time.time() - min_age_s

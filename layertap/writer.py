@@ -7,6 +7,8 @@ manifest row. One column per layer lets readers fetch a single layer without tou
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import uuid
@@ -16,11 +18,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from layertap import faults
 from layertap.file_modes import create_file, make_dirs
 
 # bfloat16 vectors are stored as float32, which holds every bfloat16 value exactly (Arrow has no bfloat16).
 _STORAGE = {"float32": np.float32, "bfloat16": np.float32, "float16": np.float16}
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def part_id_for(extraction_id: str, layers: list[int], prompt_digest: str) -> str:
+    """Same batch, same part id: re-extracting an unpublished batch replaces its file, never adds one."""
+    payload = json.dumps([extraction_id, sorted(layers), prompt_digest], separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
 def layer_column(layer: int) -> str:
@@ -72,10 +81,17 @@ def write_part(
     make_dirs(staging)
     make_dirs(final_dir)
     staged = staging / f"{extraction_id}-{part_id}-{uuid.uuid4().hex}.parquet"  # retries never share one
+    half = max(1, table.num_rows // 2)
     with os.fdopen(create_file(staged), "wb") as f:
-        pq.write_table(table, f, compression="zstd", use_dictionary=False)
+        with pq.ParquetWriter(f, table.schema, compression="zstd", use_dictionary=False) as parquet:
+            parquet.write_table(table.slice(0, half))
+            faults.hit("write.row-group")  # a crash here leaves a torn file, in staging/ only
+            parquet.write_table(table.slice(half))
         f.flush()
+        faults.hit("write.before-fsync")
         os.fsync(f.fileno())
+    faults.hit("write.before-rename")
     os.replace(staged, final_dir / f"{part_id}.parquet")
     _fsync_dir(final_dir)
+    faults.hit("write.renamed")
     return f"parts/{extraction_id}/{part_id}.parquet"

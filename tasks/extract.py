@@ -15,13 +15,7 @@ from layertap.settings import Settings
 from layertap.split_on_oom import extract_splitting
 from layertap.store import StoreDB
 from layertap.truncation import truncation_length, truncation_note
-from layertap.writer import write_part
-
-
-def part_id_for(extraction_id: str, layers: list[int], prompt_digest: str) -> str:
-    """Same batch, same part id: re-extracting an unpublished batch replaces its file, never adds one."""
-    payload = json.dumps([extraction_id, sorted(layers), prompt_digest], separators=(",", ":"))
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+from layertap.writer import part_id_for, write_part
 
 
 def batch_cache_key(context: Any, parameters: dict[str, Any]) -> str:
