@@ -36,7 +36,7 @@ KILLS = [
     ("plan.committed", 1),
     ("extract", 1),                # engine started, at the engine boundary of the first batch
     ("extract.returned", 2),       # first batch published, second computed but not written
-    ("write.row-group", 1),        # half a Parquet file in staging/
+    ("write.row-group", 1),        # a Parquet file without its footer in staging/
     ("write.before-fsync", 1),
     ("write.before-rename", 1),
     ("write.renamed", 1),          # a whole part in parts/, not in the manifest
