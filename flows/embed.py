@@ -14,18 +14,26 @@ from prefect import flow, get_run_logger
 from pydantic import ValidationError
 
 from layertap import engine_cache
-from layertap.errors import InputError
+from layertap.errors import EngineError, InputError
+from layertap.preflight import check_run
 from layertap.settings import Settings, load_settings, settings_error_line
+from layertap.store_lock import store_lock
+from layertap.truncation import truncation_length
 from tasks import (
     extract_batch,
     ingest,
     normalise,
     plan,
     publish_batch,
+    quarantine_batch,
     register_extraction,
     validate_batch,
     validate_store,
 )
+
+# A run whose first batches all fail has a broken engine or model, not bad batches: stop instead of
+# quarantining everything.
+MAX_FAILURES_BEFORE_SUCCESS = 3
 
 
 def resolve_model(settings: Settings) -> str:
@@ -45,7 +53,7 @@ def _extracted(future, store: str, store_uuid: str, batch: dict, settings: Setti
     return part
 
 
-@flow(name="embed", log_prints=False)
+@flow(name="embed", log_prints=False, result_serializer="json")
 def embed_flow(
     input: list[str] | str | None = None,
     text_column: str | None = None,
@@ -65,6 +73,8 @@ def embed_flow(
     enforce_eager: bool | None = None,
     trust_remote_code: bool | None = None,
     load_format: str | None = None,
+    truncate: bool | None = None,
+    lock_timeout: float | None = None,
     env_file: str | None = ".env",
 ) -> dict:
     """Embed every input row's prompt at the requested layers; parameters left at None come from
@@ -92,22 +102,29 @@ def embed_flow(
             enforce_eager=enforce_eager,
             trust_remote_code=trust_remote_code,
             load_format=load_format,
+            truncate=truncate,
+            lock_timeout=lock_timeout,
         )
     except ValidationError as exc:
         raise InputError(settings_error_line(exc)) from None
-    if not settings.input:
-        raise InputError("input: no input files given (--input or LAYERTAP_INPUT)")
+    check_run(settings)  # nothing is written before inputs, model, layers and store check out
     store_dir = str(settings.store_path())
     if not settings.model:
         logger.info("no model given: using the tiny demo model in %s", settings.demo_model_dir())
     settings = settings.model_copy(update={"model": resolve_model(settings), "store": store_dir})
 
+    with store_lock(store_dir, settings.lock_timeout):  # one writing run per store; readers never wait on it
+        return _embed_locked(settings, store_dir, started, logger)
+
+
+def _embed_locked(settings: Settings, store_dir: str, started: float, logger) -> dict:
     try:
         ingested = ingest(store_dir, settings.input, settings.text_column)
         normalised = normalise(store_dir, settings.remove_period)
         key = register_extraction(
             store_dir, settings.model, settings.pooling, settings.dtype, settings.remove_period,
             settings.layer_spec(),
+            truncate_to=truncation_length(settings.model, settings.truncate, settings.max_model_len),
         )
         eid, layer_list = key["extraction_id"], key["layers"]
         batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size)
@@ -115,16 +132,25 @@ def embed_flow(
 
         # Up to `batches_in_flight` extractions run at once: the engine stays busy on the next batches
         # while the previous one is written, validated and published (publishing stays in batch order).
-        embedded = refused = 0
+        embedded = refused = succeeded = 0
+        quarantined = []
         in_flight: deque = deque()
-        for index, batch in enumerate([*batches, None]):
+        for batch in [*batches, None]:
             if batch is not None:
-                in_flight.append((index, batch, extract_batch.submit(store_dir, key["store_uuid"], batch, settings)))
+                in_flight.append((batch, extract_batch.submit(store_dir, key["store_uuid"], batch, settings)))
             while in_flight and (batch is None or len(in_flight) > settings.batches_in_flight):
-                done, done_batch, future = in_flight.popleft()
-                part = _extracted(future, store_dir, key["store_uuid"], done_batch, settings)
-                validate_batch(store_dir, part, key["hidden_size"], settings, parity=done == 0)
+                done_batch, future = in_flight.popleft()
+                try:
+                    part = _extracted(future, store_dir, key["store_uuid"], done_batch, settings)
+                except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
+                    error = " ".join(f"{type(exc).__name__}: {exc}".split())
+                    quarantined.append(quarantine_batch(store_dir, done_batch, error))
+                    if not succeeded and len(quarantined) >= MAX_FAILURES_BEFORE_SUCCESS:
+                        raise EngineError(f"the first {len(quarantined)} batches all failed; last error: {error}")
+                    continue
+                validate_batch(store_dir, part, key["hidden_size"], settings, parity=succeeded == 0)
                 published = publish_batch(store_dir, part)
+                succeeded += 1
                 embedded += published["published"]
                 refused += published["rejected"]
         ledger = validate_store(store_dir, key["rules_id"], eid, layer_list)
@@ -149,6 +175,7 @@ def embed_flow(
         "model": settings.model,
         "extraction_id": eid,
         "ledger": ledger,
+        "quarantined": quarantined,
         "seconds": round(time.perf_counter() - started, 3),
     }
     logger.info(

@@ -19,6 +19,7 @@ from typing import Any
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_QUARANTINED = 3  # the run finished, but some batches kept failing and were set aside
 EXIT_INTERRUPTED = 130
 
 SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "sample.csv"
@@ -55,6 +56,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="disable graph capture in the engine")
     p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
                    help="allow model folders that ship their own code")
+    p.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None,
+                   help="cut prompts longer than the model's context instead of rejecting them")
+    p.add_argument("--lock-timeout", metavar="SECONDS",
+                   help="wait this long for another run holding the store (default: 0, fail at once)")
     p.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
 
@@ -95,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 _SETTING_ARGS = (
     "input", "text_column", "model", "layers", "pooling", "dtype", "store", "remove_period", "batch_size",
     "parity_sample", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
-    "tensor_parallel_size", "enforce_eager", "trust_remote_code",
+    "tensor_parallel_size", "enforce_eager", "trust_remote_code", "truncate", "lock_timeout",
 )
 
 
@@ -129,6 +134,9 @@ def preflight(settings) -> None:
             raise InputError(f"model: {settings.model} is not a folder")
         info = read_model_info(Path(settings.model).expanduser())
         resolve_layers(settings.layer_spec(), info.num_layers)
+    from layertap.preflight import check_run
+
+    check_run(settings)
 
 
 def run_flow(settings) -> dict:
@@ -157,9 +165,11 @@ def _print_summary(summary: dict, title: str) -> None:
     print(f"  layers     {','.join(map(str, layers))} ({len(layers)} layers), dimension {summary['dimension']}")
     print(f"  model      {summary['model']}")
     print(f"  store      {summary['store']} (extraction {summary['extraction_id']})")
+    for held in summary.get("quarantined") or []:
+        print(f"  quarantined batch {held['batch_id']} ({held['prompts']} prompts): {held['error']}")
     if ledger:
-        statuses = ("embedded", "duplicate", "rejected", "pending")
-        print("  ledger     " + ", ".join(f"{s} {ledger[s]}" for s in statuses if s in ledger))
+        statuses = ("embedded", "duplicate", "rejected", "quarantined", "pending")
+        print("  ledger     " + ", ".join(f"{s} {ledger[s]}" for s in statuses if s in ledger and (ledger[s] or s != "quarantined")))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -170,7 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2, default=str))
     else:
         _print_summary(summary, "layertap run")
-    return EXIT_OK
+    return EXIT_QUARANTINED if summary.get("quarantined") else EXIT_OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -58,6 +58,18 @@ def discard_runner(settings: Settings) -> bool:
     return True
 
 
+def discard_if_dead(settings: Settings, runner) -> bool:
+    """After a failed batch: keep an engine that still answers, restart (on next use) one that does not.
+
+    A batch can fail for its own reasons (a bad prompt, an injected fault) while the engine is fine, and
+    restarting costs up to a minute; a dead or wedged engine fails the probe and is replaced.
+    """
+    probe = getattr(runner, "healthy", None)
+    if probe is not None and probe():
+        return False
+    return discard_runner(settings)
+
+
 def close_runners(force: bool = False) -> int:
     """Close every engine (unless pinned and not forced); returns how many were closed."""
     with _lock:

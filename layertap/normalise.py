@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 REJECT_NULL = "null text"
 REJECT_EMPTY = "empty after normalisation"
+REJECT_NUL = "contains a NUL character"
 
 # Exactly the code points for which Python's str.isspace() is true, as inclusive ranges. Written out
 # because RE2's \s is ASCII-only; tests check this list against str.isspace().

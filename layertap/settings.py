@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     # Batches extracted at once: the engine computes one while the others are written and published.
     batches_in_flight: int = Field(2, ge=1)
     parity_sample: int = Field(8, ge=0)
+    # Prompts longer than the model's context are rejected unless the user asks to cut them to fit.
+    truncate: bool = False
+    # Seconds a run waits for another run holding the store's lock; 0 fails at once, naming the holder.
+    lock_timeout: float = Field(0.0, ge=0)
 
     # Engine options, passed through to the runner.
     max_num_batched_tokens: int | None = Field(None, ge=1)

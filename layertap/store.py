@@ -23,11 +23,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from layertap import faults
 from layertap.errors import InputError, StoreError
-from layertap.normalise import REJECT_EMPTY, REJECT_NULL, NormaliseRules
+from layertap.file_modes import drop_world_write, make_dirs
+from layertap.normalise import REJECT_EMPTY, REJECT_NUL, REJECT_NULL, NormaliseRules
 from layertap.writer import layer_column
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 DB_NAME = "layertap.duckdb"
 LOCK_WAIT_S = 30.0
 
@@ -40,7 +42,8 @@ CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL
 CREATE TABLE IF NOT EXISTS sources (
     source VARCHAR PRIMARY KEY, fingerprint VARCHAR NOT NULL, text_column VARCHAR NOT NULL,
     num_rows BIGINT NOT NULL, ingested_at TIMESTAMPTZ NOT NULL);
-CREATE TABLE IF NOT EXISTS rows (source VARCHAR NOT NULL, row_number BIGINT NOT NULL, raw_text VARCHAR);
+CREATE TABLE IF NOT EXISTS rows (
+    source VARCHAR NOT NULL, row_number BIGINT NOT NULL, raw_text VARCHAR, input_reject VARCHAR);
 CREATE TABLE IF NOT EXISTS row_prompts (
     rules_id VARCHAR NOT NULL, source VARCHAR NOT NULL, row_number BIGINT NOT NULL,
     prompt_hash {_HASH}, reject_reason VARCHAR);
@@ -48,7 +51,8 @@ CREATE TABLE IF NOT EXISTS prompts (prompt_hash {_HASH} NOT NULL, text VARCHAR N
 CREATE TABLE IF NOT EXISTS extractions (
     extraction_id VARCHAR PRIMARY KEY, model_fingerprint VARCHAR NOT NULL, model_path VARCHAR NOT NULL,
     pooling VARCHAR NOT NULL, dtype VARCHAR NOT NULL, rules_id VARCHAR NOT NULL,
-    hidden_size INTEGER NOT NULL, num_layers INTEGER NOT NULL, created_at TIMESTAMPTZ NOT NULL);
+    hidden_size INTEGER NOT NULL, num_layers INTEGER NOT NULL, created_at TIMESTAMPTZ NOT NULL,
+    truncate_to INTEGER);
 CREATE TABLE IF NOT EXISTS prompt_rejects (
     extraction_id VARCHAR NOT NULL, prompt_hash VARCHAR NOT NULL, reason VARCHAR NOT NULL);
 CREATE TABLE IF NOT EXISTS batches (
@@ -59,6 +63,11 @@ CREATE TABLE IF NOT EXISTS parts (
     part_id VARCHAR PRIMARY KEY, extraction_id VARCHAR NOT NULL, path VARCHAR NOT NULL,
     layers INTEGER[] NOT NULL, num_prompts BIGINT NOT NULL, created_at TIMESTAMPTZ NOT NULL);
 CREATE TABLE IF NOT EXISTS part_prompts (part_id VARCHAR NOT NULL, prompt_hash {_HASH} NOT NULL);
+CREATE TABLE IF NOT EXISTS prompt_notes (
+    extraction_id VARCHAR NOT NULL, prompt_hash VARCHAR NOT NULL, note VARCHAR NOT NULL);
+CREATE TABLE IF NOT EXISTS quarantined (
+    batch_id VARCHAR PRIMARY KEY, extraction_id VARCHAR NOT NULL, error VARCHAR NOT NULL,
+    quarantined_at TIMESTAMPTZ NOT NULL);
 """
 # The big tables (rows, row_prompts, prompts, planned, part_prompts) have no keys on purpose: a key index on
 # 700k random hashes doubles the cost of inserting them. The anti-joins that insert them keep them unique.
@@ -94,9 +103,15 @@ todo AS (
 """
 
 # One row per input row. The first row of a prompt (smallest (source, row_number)) carries its fate; later
-# rows with the same prompt are duplicates. Rows of a prompt the engine refused are all rejected.
+# rows with the same prompt are duplicates. Rows of a prompt the engine refused are all rejected. A prompt
+# still missing results whose batch was quarantined is `quarantined` (with the batch's error) until a rerun
+# embeds it; an embedded prompt may carry a note (e.g. it was truncated to fit the model).
 _LEDGER_SQL = f"""
 WITH {_TODO_CTES},
+held AS (
+    SELECT pl.prompt_hash, any_value(q.error) AS error
+    FROM quarantined q JOIN planned pl USING (batch_id) WHERE q.extraction_id = $eid GROUP BY pl.prompt_hash),
+notes AS (SELECT prompt_hash, any_value(note) AS note FROM prompt_notes WHERE extraction_id = $eid GROUP BY ALL),
 joined AS (
     SELECT r.source, r.row_number, rp.prompt_hash, rp.reject_reason, rp.source IS NULL AS unseen,
            row_number() OVER (PARTITION BY rp.prompt_hash ORDER BY r.source, r.row_number) AS k
@@ -106,12 +121,18 @@ SELECT j.source, j.row_number,
        CASE WHEN j.reject_reason IS NOT NULL OR x.reason IS NOT NULL THEN 'rejected'
             WHEN j.unseen THEN 'pending'
             WHEN j.k > 1 THEN 'duplicate'
+            WHEN t.prompt_hash IS NOT NULL AND h.prompt_hash IS NOT NULL THEN 'quarantined'
             WHEN t.prompt_hash IS NOT NULL THEN 'pending'
             ELSE 'embedded' END AS status,
-       coalesce(j.reject_reason, x.reason) AS reason,
+       CASE WHEN j.reject_reason IS NOT NULL OR x.reason IS NOT NULL THEN coalesce(j.reject_reason, x.reason)
+            WHEN j.unseen OR j.k > 1 THEN NULL
+            WHEN t.prompt_hash IS NOT NULL THEN h.error
+            ELSE n.note END AS reason,
        j.prompt_hash
 FROM joined j LEFT JOIN refused x ON j.prompt_hash = x.prompt_hash
      LEFT JOIN todo t ON j.prompt_hash = t.prompt_hash
+     LEFT JOIN held h ON j.prompt_hash = h.prompt_hash
+     LEFT JOIN notes n ON j.prompt_hash = n.prompt_hash
 """
 
 
@@ -135,7 +156,8 @@ class NormaliseReport:
 
 @dataclass(frozen=True)
 class ExtractionKey:
-    """What makes results comparable; `extraction_id` hashes the four fields that change the vectors."""
+    """What makes results comparable; `extraction_id` hashes the fields that change the vectors (model,
+    pooling, dtype, normalisation rules and, when prompts are truncated, the length they are cut to)."""
 
     model_fingerprint: str
     model_path: str
@@ -144,14 +166,15 @@ class ExtractionKey:
     rules_id: str
     hidden_size: int
     num_layers: int
+    truncate_to: int | None = None
 
     @property
     def extraction_id(self) -> str:
-        canon = json.dumps(
-            {"model_fingerprint": self.model_fingerprint, "pooling": self.pooling, "dtype": self.dtype,
-             "rules_id": self.rules_id},
-            sort_keys=True, separators=(",", ":"),
-        )
+        fields = {"model_fingerprint": self.model_fingerprint, "pooling": self.pooling, "dtype": self.dtype,
+                  "rules_id": self.rules_id}
+        if self.truncate_to is not None:  # only then: ids of extractions without truncation stay as they were
+            fields["truncate_to"] = self.truncate_to
+        canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
@@ -237,16 +260,46 @@ def _expand_inputs(paths: list[str]) -> list[str]:
 
 
 def _file_sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def check_inputs(paths: list[str], text_column: str) -> list[str]:
+    """Everything ingest would check, without a store: files exist, are readable, have the column.
+
+    Returns the files. Runs on an in-memory database, so a bad input fails before the store is touched.
+    """
+    files = _expand_inputs(paths)
+    with duckdb.connect() as con:
+        for path in files:
+            _file_sha256(path)
+            try:
+                _row_source_sql(con, path, text_column)
+            except _ScanRefused as refused:
+                if not refused.recoverable:
+                    raise refused.as_input_error(path) from None
+                _careful_rows(path, text_column)
+    return files
+
+
+# JSON values that are not text, by DuckDB's json_type, with the reason their rows are rejected.
+_JSON_NOT_TEXT = {
+    "BIGINT": "number", "UBIGINT": "number", "DOUBLE": "number", "BOOLEAN": "boolean", "ARRAY": "array",
+    "OBJECT": "object",
+}
+_TEXT_TYPES = ("VARCHAR", "BLOB")
 
 
 def _row_source_sql(con: duckdb.DuckDBPyConnection, path: str, text_column: str) -> tuple[str, dict]:
-    """SQL yielding (row_number, text) for one file, after checking it is readable and has the column.
+    """SQL yielding (row_number, text, reject) for one file, after checking it is readable and has the column.
 
     Row numbers follow file order: WITH ORDINALITY runs as an order-preserving streaming window over the
     scan. CSV has no NULL, so an empty cell is '' (rejected as empty); a JSON or Parquet null stays NULL
-    (rejected as null text), and other JSON/Parquet values are cast to text.
+    (rejected as null text). JSON numbers, booleans, arrays and objects, and Parquet columns that do not
+    hold text, are rejected as `not text: <type>` rather than embedded as their printed form.
     """
     kind = _READERS[Path(path).suffix.lower()]
     params: dict = {"path": path}
@@ -261,23 +314,56 @@ def _row_source_sql(con: duckdb.DuckDBPyConnection, path: str, text_column: str)
     else:
         scan = "read_json($path)"
     try:
-        columns = [row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {scan}", params).fetchall()]
+        described = con.execute(f"DESCRIBE SELECT * FROM {scan}", params).fetchall()
     except duckdb.Error as exc:
-        raise InputError(f"{path}: cannot read as {kind}: {_first_line(exc)}") from None
+        raise _ScanRefused(kind, exc) from None
+    columns = {row[0]: row[1] for row in described}
     if text_column not in columns:
         raise InputError(f"{path}: no column {text_column!r} (columns: {', '.join(columns)})")
     col = _quote_ident(text_column)
     if kind == "csv":
-        sql = f"SELECT ordinality - 1 AS row_number, coalesce({col}, '') AS text FROM {scan} WITH ORDINALITY"
+        sql = (f"SELECT ordinality - 1 AS row_number, coalesce({col}, '') AS text, NULL AS reject "
+               f"FROM {scan} WITH ORDINALITY")
     elif kind == "parquet":
-        sql = f"SELECT file_row_number AS row_number, CAST({col} AS VARCHAR) AS text FROM {scan}"
+        text_type = columns[text_column]
+        if text_type in _TEXT_TYPES:
+            sql = f"SELECT file_row_number AS row_number, CAST({col} AS VARCHAR) AS text, NULL AS reject FROM {scan}"
+        else:
+            params["not_text"] = f"not text: {text_type}"
+            sql = f"SELECT file_row_number AS row_number, NULL AS text, $not_text AS reject FROM {scan}"
     else:
-        params["columns"] = {text_column: "VARCHAR"}
+        params["columns"] = {text_column: "JSON"}
+        kinds = " ".join(f"WHEN '{k}' THEN 'not text: {v}'" for k, v in _JSON_NOT_TEXT.items())  # constants
         sql = (
-            f"SELECT ordinality - 1 AS row_number, {col} AS text "
+            f"SELECT ordinality - 1 AS row_number, "
+            f"CASE WHEN json_type({col}) = 'VARCHAR' THEN json_extract_string({col}, '$') END AS text, "
+            f"CASE WHEN json_type({col}) NOT IN ('VARCHAR', 'NULL') "
+            f"     THEN CASE json_type({col}) {kinds} ELSE 'not text: ' || lower(json_type({col})) END END AS reject "
             "FROM read_json($path, columns = $columns) WITH ORDINALITY"
         )
     return sql, params
+
+
+class _ScanRefused(Exception):
+    """DuckDB could not scan a whole file; some of these the careful reader can still read row by row."""
+
+    def __init__(self, kind: str, exc: duckdb.Error):
+        super().__init__(_first_line(exc))
+        self.kind = kind
+        message = str(exc)
+        self.recoverable = kind == "csv" and "CSV Error" in message or kind == "json" and "Malformed JSON" in message
+
+    def as_input_error(self, path: str) -> InputError:
+        return InputError(f"{path}: cannot read as {self.kind}: {self}")
+
+
+def _careful_rows(path: str, text_column: str) -> pa.Table:
+    from layertap.careful_reader import read_csv_rows, read_json_lines
+
+    kind = _READERS[Path(path).suffix.lower()]
+    if kind == "csv":
+        return read_csv_rows(path, text_column, "\t" if path.lower().endswith(".tsv") else ",")
+    return read_json_lines(path, text_column)
 
 
 class StoreDB:
@@ -289,7 +375,7 @@ class StoreDB:
         self.root = Path(store_dir).expanduser().resolve()
         self.db_path = self.root / DB_NAME
         for sub in ("parts", "staging"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+            make_dirs(self.root / sub)
         with self._connect() as con:
             con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)")
             if _one(con, "SELECT count(*) FROM meta")[0] == 0:
@@ -300,6 +386,7 @@ class StoreDB:
                 )
             _check_version(con, self.db_path)
             self.store_uuid = _one(con, "SELECT value FROM meta WHERE key = 'store_uuid'")[0]
+        drop_world_write(self.db_path)
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
         return _connect(self.db_path)
@@ -321,26 +408,54 @@ class StoreDB:
                 if known is not None and known[:2] == (fingerprint, text_column):
                     skipped += 1
                     total += known[2]
-                else:
-                    changed.append((path, fingerprint, *_row_source_sql(con, path, text_column)))
-            for path, fingerprint, sql, params in changed:
-                con.begin()
+                    continue
                 try:
-                    con.execute("DELETE FROM rows WHERE source = $path", {"path": path})
-                    con.execute("DELETE FROM row_prompts WHERE source = $path", {"path": path})
-                    n = _one(con, f"INSERT INTO rows SELECT $path, row_number, text FROM ({sql})", params)[0]
-                    con.execute(
-                        "INSERT OR REPLACE INTO sources VALUES (?, ?, ?, ?, now())",
-                        [path, fingerprint, text_column, n],
-                    )
-                    con.commit()
-                except duckdb.Error as exc:
-                    con.rollback()
-                    raise InputError(f"{path}: cannot read: {_first_line(exc)}") from None
+                    changed.append((path, fingerprint, _row_source_sql(con, path, text_column)))
+                except _ScanRefused as refused:
+                    if not refused.recoverable:
+                        raise refused.as_input_error(path) from None
+                    changed.append((path, fingerprint, _careful_rows(path, text_column)))
+            for path, fingerprint, source in changed:
+                n = self._replace_rows(con, path, fingerprint, text_column, source)
+                faults.hit("ingest.committed")
                 read += 1
                 total += n
                 new += n
         return IngestReport(sources_read=read, sources_skipped=skipped, rows_total=total, rows_new=new)
+
+    @staticmethod
+    def _replace_rows(
+        con: duckdb.DuckDBPyConnection, path: str, fingerprint: str, text_column: str, source: tuple | pa.Table
+    ) -> int:
+        """Swap one file's rows in one transaction; a fast scan that trips on a bad row falls back to the
+        careful reader, which keeps every row and marks the bad ones."""
+        for attempt in ("fast", "careful"):
+            con.begin()
+            try:
+                con.execute("DELETE FROM rows WHERE source = $path", {"path": path})
+                con.execute("DELETE FROM row_prompts WHERE source = $path", {"path": path})
+                if isinstance(source, pa.Table):
+                    con.register("careful_rows", source)
+                    n = _one(con, "INSERT INTO rows SELECT $path, row_number, text, reject FROM careful_rows",
+                             {"path": path})[0]
+                    con.unregister("careful_rows")
+                else:
+                    sql, params = source
+                    n = _one(con, f"INSERT INTO rows SELECT $path, row_number, text, reject FROM ({sql})",
+                             params)[0]
+                faults.hit("ingest.before-commit")
+                con.execute(
+                    "INSERT OR REPLACE INTO sources VALUES (?, ?, ?, ?, now())", [path, fingerprint, text_column, n]
+                )
+                con.commit()
+                return n
+            except duckdb.Error as exc:
+                con.rollback()
+                refused = _ScanRefused(_READERS[Path(path).suffix.lower()], exc)
+                if attempt == "careful" or isinstance(source, pa.Table) or not refused.recoverable:
+                    raise refused.as_input_error(path) from None
+                source = _careful_rows(path, text_column)
+        raise AssertionError("unreachable")
 
     def normalise(self, rules: NormaliseRules) -> NormaliseReport:
         """Give every row not yet seen under these rules its prompt (or reject reason); add new prompts.
@@ -352,18 +467,22 @@ class StoreDB:
             con.begin()
             con.execute(
                 f"""CREATE TEMP TABLE fresh AS
-                SELECT source, row_number, text, CASE WHEN text <> '' THEN sha256(text) END AS prompt_hash
-                FROM (SELECT r.source, r.row_number, {rules.sql("r.raw_text")} AS text
-                      FROM rows r ANTI JOIN (SELECT source, row_number FROM row_prompts WHERE rules_id = $rules) d
-                      ON r.source = d.source AND r.row_number = d.row_number)""",
-                {"rules": rules.rules_id},
+                SELECT source, row_number, text, CASE WHEN reject IS NULL THEN sha256(text) END AS prompt_hash,
+                       reject
+                FROM (SELECT source, row_number, text,
+                             CASE WHEN input_reject IS NOT NULL THEN input_reject
+                                  WHEN text IS NULL THEN $null
+                                  WHEN strpos(text, chr(0)) > 0 THEN $nul
+                                  WHEN text = '' THEN $empty END AS reject
+                      FROM (SELECT r.source, r.row_number, r.input_reject, {rules.sql("r.raw_text")} AS text
+                            FROM rows r ANTI JOIN (SELECT source, row_number FROM row_prompts
+                                                   WHERE rules_id = $rules) d
+                            ON r.source = d.source AND r.row_number = d.row_number))""",
+                {"rules": rules.rules_id, "null": REJECT_NULL, "nul": REJECT_NUL, "empty": REJECT_EMPTY},
             )
             con.execute(
-                """INSERT INTO row_prompts
-                SELECT $rules, source, row_number, prompt_hash,
-                       CASE WHEN text IS NULL THEN $null WHEN text = '' THEN $empty END
-                FROM fresh""",
-                {"rules": rules.rules_id, "null": REJECT_NULL, "empty": REJECT_EMPTY},
+                "INSERT INTO row_prompts SELECT $rules, source, row_number, prompt_hash, reject FROM fresh",
+                {"rules": rules.rules_id},
             )
             new_prompts = _one(
                 con,
@@ -373,13 +492,16 @@ class StoreDB:
                   AND NOT EXISTS (SELECT 1 FROM prompts p WHERE p.prompt_hash = f.prompt_hash)
                 GROUP BY prompt_hash ORDER BY prompt_hash""",
             )[0]
-            rows, nulls, empties = _one(
-                con, "SELECT count(*), count(*) FILTER (text IS NULL), count(*) FILTER (text = '') FROM fresh"
+            rows = _one(con, "SELECT count(*) FROM fresh")[0]
+            rejected = dict(
+                con.execute("SELECT reject, count(*) FROM fresh WHERE reject IS NOT NULL GROUP BY reject").fetchall()
             )
+            faults.hit("normalise.before-commit")
             con.commit()
-        rejected = {reason: n for reason, n in ((REJECT_NULL, nulls), (REJECT_EMPTY, empties)) if n}
+        faults.hit("normalise.committed")
         return NormaliseReport(
-            rows=rows, new_prompts=new_prompts, duplicates=rows - nulls - empties - new_prompts, rejected=rejected
+            rows=rows, new_prompts=new_prompts, duplicates=rows - sum(rejected.values()) - new_prompts,
+            rejected=rejected,
         )
 
     def register_extraction(self, key: ExtractionKey) -> str:
@@ -389,10 +511,11 @@ class StoreDB:
             known = _one(con, "SELECT hidden_size, num_layers FROM extractions WHERE extraction_id = ?", [eid])
             if known is None:
                 con.execute(
-                    "INSERT INTO extractions VALUES (?, ?, ?, ?, ?, ?, ?, ?, now())",
+                    "INSERT INTO extractions VALUES (?, ?, ?, ?, ?, ?, ?, ?, now(), ?)",
                     [eid, key.model_fingerprint, key.model_path, key.pooling, key.dtype, key.rules_id,
-                     key.hidden_size, key.num_layers],
+                     key.hidden_size, key.num_layers, key.truncate_to],
                 )
+                faults.hit("register.committed")
             elif known != (key.hidden_size, key.num_layers):
                 raise StoreError(
                     f"extraction {eid} was recorded with hidden_size={known[0]}, num_layers={known[1]}; "
@@ -460,7 +583,9 @@ class StoreDB:
                 "SELECT batch_id, layers, digest, num_prompts FROM plan_batches "
                 "ORDER BY missing NULLS FIRST, chunk"
             ).fetchall()
+            faults.hit("plan.before-commit")
             con.commit()
+        faults.hit("plan.committed")
         return [WorkBatch(bid, extraction_id, list(lay), digest, n) for bid, lay, digest, n in found]
 
     def batch_prompts(self, batch_id: str) -> tuple[list[str], list[str]]:
@@ -510,7 +635,9 @@ class StoreDB:
                 [part_id, extraction_id, relpath, layers, len(prompt_hashes)],
             )
             con.execute("INSERT INTO part_prompts SELECT ?, prompt_hash FROM new_part", [part_id])
+            faults.hit("publish.before-commit")
             con.commit()
+        faults.hit("publish.committed")
 
     def reject_prompts(self, extraction_id: str, reasons: dict[str, str]) -> int:
         """Record prompts the engine refused (e.g. too long), so plans skip them and the ledger says why."""
@@ -528,19 +655,44 @@ class StoreDB:
                 {"eid": extraction_id},
             )[0]
 
+    def note_prompts(self, extraction_id: str, notes: dict[str, str]) -> int:
+        """Attach a note to embedded prompts (e.g. truncated to fit); the ledger shows it as the reason."""
+        if not notes:
+            return 0
+        table = pa.table({"prompt_hash": list(notes), "note": list(notes.values())})
+        with self._connect() as con:
+            con.register("noted", table)
+            return _one(
+                con,
+                """INSERT INTO prompt_notes
+                SELECT $eid, n.prompt_hash, n.note FROM noted n
+                WHERE NOT EXISTS (SELECT 1 FROM prompt_notes x
+                                  WHERE x.extraction_id = $eid AND x.prompt_hash = n.prompt_hash)""",
+                {"eid": extraction_id},
+            )[0]
+
+    def quarantine_batch(self, batch_id: str, extraction_id: str, error: str) -> None:
+        """Remember a batch that kept failing; its prompts stay planned, so the next run tries them again."""
+        with self._connect() as con:
+            con.execute(
+                "INSERT OR REPLACE INTO quarantined VALUES (?, ?, ?, now())", [batch_id, extraction_id, error]
+            )
+
     def ledger_counts(self, rules_id: str, extraction_id: str | None, layers: list[int]) -> dict:
-        """Rows per status, plus rejected rows per reason: {"rows", "embedded", "duplicate", "rejected",
-        "pending", "reasons": {reason: n}}. The four statuses always add up to "rows"."""
+        """Rows per status, plus rows per reason (rejections, quarantine errors, notes): {"rows", "embedded",
+        "duplicate", "rejected", "pending", "quarantined", "reasons": {reason: n}}. The statuses add up to
+        "rows"."""
         params = {"rules": rules_id, "eid": extraction_id, "layers": _sorted_layers(layers)}
         with self._connect() as con:
             found = con.execute(
                 f"SELECT status, reason, count(*) FROM ({_LEDGER_SQL}) GROUP BY ALL", params
             ).fetchall()
-        counts = {"rows": 0, "embedded": 0, "duplicate": 0, "rejected": 0, "pending": 0, "reasons": {}}
+        counts = {"rows": 0, "embedded": 0, "duplicate": 0, "rejected": 0, "pending": 0, "quarantined": 0,
+                  "reasons": {}}
         for status, reason, n in found:
             counts["rows"] += n
             counts[status] += n
-            if reason is not None:
+            if reason is not None and status == "rejected":
                 counts["reasons"][reason] = counts["reasons"].get(reason, 0) + n
         return counts
 
@@ -549,6 +701,7 @@ class StoreDB:
 
         The age guard keeps files of batches still being written or about to be published.
         """
+        faults.hit("sweep")
         with self._connect() as con:
             published = {row[0] for row in con.execute("SELECT path FROM parts").fetchall()}
         cutoff = time.time() - min_age_s

@@ -7,6 +7,8 @@ manifest row. One column per layer lets readers fetch a single layer without tou
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import uuid
@@ -16,9 +18,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from layertap import faults
+from layertap.file_modes import create_file, make_dirs
+
 # bfloat16 vectors are stored as float32, which holds every bfloat16 value exactly (Arrow has no bfloat16).
 _STORAGE = {"float32": np.float32, "bfloat16": np.float32, "float16": np.float16}
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def part_id_for(extraction_id: str, layers: list[int], prompt_digest: str) -> str:
+    """Same batch, same part id: re-extracting an unpublished batch replaces its file, never adds one."""
+    payload = json.dumps([extraction_id, sorted(layers), prompt_digest], separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
 def layer_column(layer: int) -> str:
@@ -67,12 +78,12 @@ def write_part(
     root = Path(store_dir)
     staging = root / "staging"
     final_dir = root / "parts" / extraction_id
-    staging.mkdir(parents=True, exist_ok=True)
-    final_dir.mkdir(parents=True, exist_ok=True)
+    make_dirs(staging)
+    make_dirs(final_dir)
     staged = staging / f"{extraction_id}-{part_id}-{uuid.uuid4().hex}.parquet"  # retries never share one
-    with open(staged, "wb") as f:
-        pq.write_table(
-            table, f,
+    with os.fdopen(create_file(staged), "wb") as f:
+        with pq.ParquetWriter(
+            f, table.schema,
             # Floats do not compress as they are, but split into byte planes they do: sign/exponent bytes
             # repeat, and bfloat16 values held as float32 have two all-zero planes. LZ4 keeps the encoder
             # and every later read fast; page checksums let readers detect a damaged file.
@@ -81,9 +92,14 @@ def write_part(
             use_dictionary=False,
             write_statistics=["prompt_hash"],
             write_page_checksum=True,
-        )
+        ) as parquet:
+            parquet.write_table(table, row_group_size=max(1, table.num_rows))
+            faults.hit("write.row-group")  # data written, no footer: a crash leaves a torn file, in staging/
         f.flush()
+        faults.hit("write.before-fsync")
         os.fsync(f.fileno())
+    faults.hit("write.before-rename")
     os.replace(staged, final_dir / f"{part_id}.parquet")
     _fsync_dir(final_dir)
+    faults.hit("write.renamed")
     return f"parts/{extraction_id}/{part_id}.parquet"

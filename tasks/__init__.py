@@ -9,6 +9,7 @@ from tasks.ingest import ingest
 from tasks.normalise import normalise
 from tasks.plan import plan, register_extraction
 from tasks.publish import publish_batch, validate_batch
+from tasks.quarantine import quarantine_batch
 from tasks.validate import validate_store
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "normalise",
     "plan",
     "publish_batch",
+    "quarantine_batch",
     "register_extraction",
     "validate_batch",
     "validate_store",

@@ -11,17 +11,13 @@ from prefect import get_run_logger, task
 from prefect.tasks import exponential_backoff
 
 from layertap import validate as checks
-from layertap.engine_cache import discard_runner, get_runner
+from layertap.engine_cache import discard_if_dead, get_runner
 from layertap.errors import ValidationError
 from layertap.settings import Settings
+from layertap.split_on_oom import extract_splitting
 from layertap.store import StoreDB
-from layertap.writer import write_part
-
-
-def part_id_for(extraction_id: str, layers: list[int], prompt_digest: str) -> str:
-    """Same batch, same part id: re-extracting an unpublished batch replaces its file, never adds one."""
-    payload = json.dumps([extraction_id, sorted(layers), prompt_digest], separators=(",", ":"))
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+from layertap.truncation import truncation_length, truncation_note
+from layertap.writer import part_id_for, write_part
 
 
 def batch_cache_key(context: Any, parameters: dict[str, Any]) -> str:
@@ -46,7 +42,11 @@ def batch_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     result_serializer="json",
 )
 def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) -> dict:
-    """Extract the batch's missing layers with the process's shared engine; return the part's path only."""
+    """Extract the batch's missing layers with the process's shared engine; return the part's path only.
+
+    Out-of-memory halves the batch inside this attempt; any other failure is retried by Prefect with
+    backoff, on a freshly started engine when the old one no longer answers.
+    """
     logger = get_run_logger()
     hashes, texts = StoreDB(store).batch_prompts(batch["batch_id"])
     if len(hashes) != batch["num_prompts"]:
@@ -54,17 +54,20 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
             f"batch {batch['batch_id']} lists {len(hashes)} prompts, the plan said {batch['num_prompts']}"
         )
     layers = list(batch["layers"])
+    truncate_to = truncation_length(settings.model, settings.truncate, settings.max_model_len)
     runner = get_runner(settings)
     started = time.perf_counter()
     try:
-        result = runner.extract(texts, layers, settings.pooling)
+        options = {"truncate_to": truncate_to} if truncate_to else {}
+        result = extract_splitting(runner, texts, layers, settings.pooling, **options)
     except Exception:
-        # An engine that failed mid-batch may be wedged; the retry gets a fresh one.
-        discard_runner(settings)
+        # An engine that failed mid-batch may be dead or wedged: if it fails a probe, the retry gets a fresh one.
+        discard_if_dead(settings, runner)
         raise
     seconds = time.perf_counter() - started
     kept = [hashes[i] for i in result.kept]
     rejected = {hashes[i]: reason for i, reason in sorted(result.rejected.items())}
+    truncated = {hashes[i]: truncation_note(n, truncate_to) for i, n in sorted(result.truncated.items())}
     part_id = part_id_for(batch["extraction_id"], layers, batch["prompt_hashes_digest"])
     relpath = problem = None
     if kept:
@@ -93,5 +96,6 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         "layers": layers,
         "num_prompts": len(kept),
         "rejected": rejected,
+        "truncated": truncated,
         "problem": problem,
     }

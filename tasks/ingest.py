@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from layertap.store import StoreDB
 
 
-@task(name="ingest", cache_policy=NO_CACHE)
+@task(name="ingest", cache_policy=NO_CACHE, result_serializer="json")
 def ingest(store: str, inputs: list[str], text_column: str) -> dict:
     """Always runs: the store itself decides what is new, so a rerun costs one fingerprint per file."""
     report = asdict(StoreDB(store).ingest(list(inputs), text_column))

@@ -11,7 +11,7 @@ from layertap.normalise import NormaliseRules
 from layertap.store import StoreDB
 
 
-@task(name="normalise", cache_policy=NO_CACHE)
+@task(name="normalise", cache_policy=NO_CACHE, result_serializer="json")
 def normalise(store: str, remove_period: bool) -> dict:
     """Only rows not yet normalised under these rules are touched, so reruns are cheap."""
     rules = NormaliseRules(remove_period=remove_period)

@@ -13,9 +13,10 @@ from layertap.normalise import NormaliseRules
 from layertap.store import ExtractionKey, StoreDB
 
 
-@task(name="register-extraction", cache_policy=NO_CACHE)
+@task(name="register-extraction", cache_policy=NO_CACHE, result_serializer="json")
 def register_extraction(
-    store: str, model_dir: str, pooling: str, dtype: str, remove_period: bool, layers: str | list[int]
+    store: str, model_dir: str, pooling: str, dtype: str, remove_period: bool, layers: str | list[int],
+    truncate_to: int | None = None,
 ) -> dict:
     """Fingerprint the model from its files (no engine needed) and record the extraction key."""
     info = read_model_info(model_dir)
@@ -29,6 +30,7 @@ def register_extraction(
         rules_id=rules.rules_id,
         hidden_size=info.hidden_size,
         num_layers=info.num_layers,
+        truncate_to=truncate_to,
     )
     resolved = resolve_layers(layers, info.num_layers)  # a bad index fails before the store is touched
     db = StoreDB(store)
@@ -57,7 +59,7 @@ def register_extraction(
     }
 
 
-@task(name="plan", cache_policy=NO_CACHE)
+@task(name="plan", cache_policy=NO_CACHE, result_serializer="json")
 def plan(store: str, extraction_id: str, layers: list[int], rules_id: str, batch_size: int) -> list[dict]:
     """Batches of prompts lacking some requested layer; each batch's prompt list stays in the store."""
     db = StoreDB(store)

@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from layertap import validate as checks
 from layertap.errors import ValidationError as CheckFailed
+from layertap.file_modes import make_dirs
 from layertap.settings import Settings
 from layertap.store import StoreDB
 
@@ -20,12 +21,12 @@ def quarantine(store: str, extraction_id: str, relpath: str) -> str | None:
     if not source.exists():
         return None
     target = Path(store) / "quarantine" / extraction_id / source.name
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(target.parent)
     os.replace(source, target)
     return str(target.relative_to(store))
 
 
-@task(name="validate-batch", cache_policy=NO_CACHE)
+@task(name="validate-batch", cache_policy=NO_CACHE, result_serializer="json")
 def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings, parity: bool) -> dict:
     """Every part: its file against the batch, and the values' check made before writing; on the run's first
     part also a parity sample against Hugging Face.
@@ -46,9 +47,12 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
         if part.get("problem"):
             raise CheckFailed(part["problem"])
         done.append("part")
-        if parity and settings.parity_sample > 0:
+        truncated = part.get("truncated") or {}  # the reference would see the whole prompt: leave them out
+        candidates = [i for i, h in enumerate(stored) if h not in truncated]
+        if parity and settings.parity_sample > 0 and candidates:
             text_of = dict(zip(hashes, texts))
-            rows = checks.parity_sample(stored, settings.parity_sample)
+            picked = checks.parity_sample([stored[i] for i in candidates], settings.parity_sample)
+            rows = [candidates[i] for i in picked]
             report = checks.parity_check(
                 settings.model,
                 [text_of[stored[i]] for i in rows],
@@ -75,7 +79,7 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
     return {"batch_id": part["batch_id"], "checks": done}
 
 
-@task(name="publish-batch", cache_policy=NO_CACHE)
+@task(name="publish-batch", cache_policy=NO_CACHE, result_serializer="json")
 def publish_batch(store: str, part: dict) -> dict:
     """One DuckDB transaction makes the part (already fsynced on disk) visible to readers."""
     db = StoreDB(store)
@@ -83,6 +87,8 @@ def publish_batch(store: str, part: dict) -> dict:
     rejected = part["rejected"]
     if rejected:
         db.reject_prompts(part["extraction_id"], rejected)
+    if part.get("truncated"):
+        db.note_prompts(part["extraction_id"], part["truncated"])
     if part["relpath"] is not None:
         order = [h for h in hashes if h not in rejected]
         db.publish_part(part["extraction_id"], part["part_id"], part["relpath"], part["layers"], order)

@@ -9,16 +9,19 @@ from layertap.errors import ValidationError as CheckFailed
 from layertap.store import StoreDB
 
 
-@task(name="validate-store", cache_policy=NO_CACHE)
+@task(name="validate-store", cache_policy=NO_CACHE, result_serializer="json")
 def validate_store(store: str, rules_id: str, extraction_id: str, layers: list[int]) -> dict:
-    """One result per planned prompt and layer, and a ledger that accounts for every input row."""
-    counts = StoreDB(store).ledger_counts(rules_id, extraction_id, list(layers))
+    """One result per planned prompt and layer (but those of quarantined batches), and a ledger that accounts
+    for every input row."""
+    db = StoreDB(store)
+    db.sweep_staging(min_age_s=0)  # the run holds the store's lock: any unpublished file is a leftover
+    counts = db.ledger_counts(rules_id, extraction_id, list(layers))
     if counts["pending"]:
         raise CheckFailed(
             f"check 'store complete': {counts['pending']} rows still lack a result for some of layers "
             f"{','.join(map(str, layers))}"
         )
-    accounted = sum(counts[status] for status in ("embedded", "duplicate", "rejected"))
+    accounted = sum(counts[status] for status in ("embedded", "duplicate", "rejected", "quarantined"))
     if accounted != counts["rows"]:
         raise CheckFailed(f"check 'ledger': accounts for {accounted} of {counts['rows']} input rows")
     get_run_logger().info(

@@ -16,12 +16,14 @@ class Extraction:
 
     `vectors[layer]` is a float32 array [len(kept), hidden]; row i belongs to texts[kept[i]].
     `rejected` maps an input position to the reason it was not embedded (e.g. longer than the model allows).
+    `truncated` maps an input position that was cut to fit to its original token count.
     """
 
     vectors: dict[int, np.ndarray]
     kept: list[int]
     rejected: dict[int, str] = field(default_factory=dict)
     num_tokens: int = 0
+    truncated: dict[int, int] = field(default_factory=dict)
 
 
 class Runner(Protocol):

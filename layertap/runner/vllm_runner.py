@@ -139,8 +139,11 @@ class VllmRunner:
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=True)["input_ids"]
 
-    def extract(self, texts: list[str], layers: list[int], pooling: str) -> Extraction:
-        """Pool `layers` (HF indices, sorted) for `texts`; over-long prompts are rejected, not truncated.
+    def extract(
+        self, texts: list[str], layers: list[int], pooling: str, truncate_to: int | None = None
+    ) -> Extraction:
+        """Pool `layers` (HF indices, sorted) for `texts`. Over-long prompts are rejected, or, when the caller
+        asks for it, cut to their first `truncate_to` tokens.
 
         Safe to call from several threads at once: their prompts share the engine's steps.
         """
@@ -149,17 +152,23 @@ class VllmRunner:
         layers = tuple(sorted(set(layers)))
         if not texts:
             return Extraction({layer: np.empty((0, self.hidden_size), np.float32) for layer in layers}, [])
+        if truncate_to is not None and not 0 < truncate_to <= self.max_model_len:
+            raise EngineError(f"truncate_to {truncate_to} is outside 1..max_model_len {self.max_model_len}")
         token_ids = self.tokenize(texts)
-        kept, rejected = [], {}
+        kept, rejected, truncated = [], {}, {}
         for i, ids in enumerate(token_ids):
-            if len(ids) > self.max_model_len:
+            if truncate_to is not None and len(ids) > truncate_to:
+                truncated[i] = len(ids)
+                token_ids[i] = ids[:truncate_to]
+                kept.append(i)
+            elif len(ids) > self.max_model_len:
                 rejected[i] = f"too long: {len(ids)} tokens > max_model_len {self.max_model_len}"
             else:
                 kept.append(i)
         num_tokens = sum(len(token_ids[i]) for i in kept)
         if not kept:
             empty = {layer: np.empty((0, self.hidden_size), np.float32) for layer in layers}
-            return Extraction(empty, [], rejected, 0)
+            return Extraction(empty, [], rejected, 0, truncated)
         sink = None
         if self._in_process:
             vectors = torch.empty((len(layers), len(kept), self.hidden_size), dtype=torch.float32,
@@ -171,7 +180,7 @@ class VllmRunner:
         job.future.result()
         if sink is None:
             stacked = torch.stack(job.vectors, dim=1).float().numpy()
-            return Extraction(self._by_layer(stacked, layers), kept, rejected, num_tokens)
+            return Extraction(self._by_layer(stacked, layers), kept, rejected, num_tokens, truncated)
         # Rows are in the order requests finished; `kept` is permuted to match, so no host-side
         # gather of the vectors is needed.
         if sorted(job.slots) != list(range(len(kept))):
@@ -180,7 +189,7 @@ class VllmRunner:
         for position, slot in enumerate(job.slots):
             order[slot] = kept[position]
         sink.wait()  # the asynchronous copies into the host buffer
-        return Extraction(self._by_layer(sink.vectors.numpy(), layers), order, rejected, num_tokens)
+        return Extraction(self._by_layer(sink.vectors.numpy(), layers), order, rejected, num_tokens, truncated)
 
     def _submit(self, job: _Job) -> None:
         if self._failure is not None:
@@ -290,6 +299,19 @@ class VllmRunner:
         self._capture = (layers, pooling)
         if self._in_process:  # the pooler object is ours to hand host buffers to
             self._pooler = self.llm.collective_rpc(capture_pooler)[0]
+
+    def healthy(self) -> bool:
+        """Whether the engine still answers: a one-prompt extraction with the capture already installed."""
+        if getattr(self, "llm", None) is None or self._failure is not None:
+            return False
+        if self._capture is None:
+            return True
+        try:
+            self.extract(["."], list(self._capture[0]), self._capture[1])
+        except Exception:  # noqa: BLE001 - any failure means the engine cannot be trusted with a batch
+            log.warning("engine failed its health probe", exc_info=True)
+            return False
+        return True
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

@@ -245,8 +245,8 @@ def test_failed_validation_publishes_nothing(run, tmp_path, tiny_model, monkeypa
     runner = engine_cache.get_runner(load_settings(env_file=None, model=tiny_model))
     real_extract = runner.extract
 
-    def broken(texts, layers, pooling):
-        result = real_extract(texts, layers, pooling)
+    def broken(texts, layers, pooling, **options):
+        result = real_extract(texts, layers, pooling, **options)
         result.vectors[layers[-1]][0, :] = np.nan
         return result
 

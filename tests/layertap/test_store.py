@@ -70,7 +70,7 @@ def inputs(tmp_path) -> Path:
     pq.write_table(
         pa.table({"text": ["third", None, "hello\u00a0world"], "n": [1, 2, 3]}), data / "c.parquet"
     )
-    lines = [{"text": "fourth", "x": 1}, {"text": None}, {"text": 5}, {"x": 2}, {"text": "hello world"}]
+    lines = [{"text": "fourth", "x": 1}, {"text": None}, {"text": "5"}, {"x": 2}, {"text": "hello world"}]
     (data / "d.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return data
 
@@ -297,7 +297,7 @@ def test_plan_refuses_other_rules(db, inputs):
 def test_ledger_accounts_for_every_row_before_and_after(db, inputs):
     eid, batches = ingest_and_plan(db, inputs)
     before = db.ledger_counts(RULES.rules_id, eid, [0, 1])
-    assert before == {"rows": 15, "embedded": 0, "duplicate": 4, "rejected": 4, "pending": 7,
+    assert before == {"rows": 15, "embedded": 0, "duplicate": 4, "rejected": 4, "pending": 7, "quarantined": 0,
                       "reasons": {"null text": 3, "empty after normalisation": 1}}
     publish(db, eid, batches)
     after = db.ledger_counts(RULES.rules_id, eid, [0, 1])

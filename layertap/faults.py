@@ -1,0 +1,87 @@
+"""Named fault points, so tests can crash, fail or starve a real run at a chosen moment.
+
+The pipeline calls `hit("<point>")` at the moments a crash or a failure matters (inside a transaction,
+half-way through a Parquet file, at the engine boundary). Normally `LAYERTAP_FAULTS` is unset and a hit
+is one environment lookup. When set, it holds a comma list of `<point>:<action>`:
+
+    kill@N      SIGKILL this process the N-th time the point is reached (crash-safety tests)
+    error*N     raise `InjectedFault` the first N times the point is reached (no N: every time)
+    oom>K       raise `torch.OutOfMemoryError` whenever the batch holds more than K prompts
+    die@N       the N-th time, close the engine under the caller and raise `EngineError` (a dead engine)
+    poison=S    raise `InjectedFault` whenever a prompt of the batch contains S
+
+Counters live in this process, so a child process started with the variable counts from zero.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+ENV = "LAYERTAP_FAULTS"
+
+_SPEC = re.compile(r"^(?P<point>[\w.-]+):(?P<action>kill@|error\*?|oom>|die@|poison=)(?P<arg>.*)$")
+_lock = threading.Lock()
+_counts: dict[tuple[str, str], int] = {}
+
+
+class InjectedFault(RuntimeError):
+    """A failure a test asked for; never raised unless LAYERTAP_FAULTS names the point."""
+
+
+def _parse(value: str) -> list[tuple[str, str, str]]:
+    faults = []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        match = _SPEC.match(item)
+        if match is None:
+            raise ValueError(f"{ENV}: cannot read {item!r} (expected <point>:kill@N|error*N|oom>K|die@N|poison=S)")
+        faults.append((match["point"], match["action"], match["arg"]))
+    return faults
+
+
+def _count(point: str, item: str) -> int:
+    with _lock:
+        _counts[(point, item)] = n = _counts.get((point, item), 0) + 1
+    return n
+
+
+def hit(point: str, texts: Sequence[str] | None = None, engine: Any = None) -> None:
+    """Apply any fault configured for `point`; `texts` is the batch at the engine boundary, `engine` its
+    runner (closed by `die`)."""
+    value = os.environ.get(ENV)
+    if not value:
+        return
+    for name, action, arg in _parse(value):
+        if name != point:
+            continue
+        if action == "oom>":
+            if texts is not None and len(texts) > int(arg):
+                import torch
+
+                raise torch.OutOfMemoryError(f"injected out of memory at {point} ({len(texts)} prompts > {arg})")
+            continue
+        if action == "poison=":
+            if texts is not None and any(arg in text for text in texts):
+                raise InjectedFault(f"injected failure at {point}: a prompt contains {arg!r}")
+            continue
+        n = _count(point, action + arg)
+        if action == "kill@" and n == int(arg):
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action.startswith("error") and (not arg or n <= int(arg)):
+            raise InjectedFault(f"injected failure at {point} (hit {n})")
+        elif action == "die@" and n == int(arg):
+            from layertap.errors import EngineError
+
+            if engine is not None:
+                engine.close()
+            raise EngineError(f"injected engine death at {point}")
+
+
+def reset() -> None:
+    """Forget the hit counters (tests that reuse one process)."""
+    with _lock:
+        _counts.clear()

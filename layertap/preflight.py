@@ -1,0 +1,49 @@
+"""Checks a run passes before it writes anything, so a mistake costs one clear line and leaves the store
+exactly as it was.
+
+Each failure names the file, column or setting at fault: inputs that are missing, unreadable, of the wrong
+format or without the text column; a model folder without a config, or with code of its own that the user
+has not allowed; layers the model does not have; a store written by another layertap version.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from layertap.errors import InputError
+from layertap.layers import resolve_layers
+from layertap.model_fingerprint import read_model_info
+from layertap.store import DB_NAME, Store, check_inputs
+
+
+def check_model_code(model_dir: str | Path, trust_remote_code: bool) -> None:
+    """A model whose config points at its own Python code (auto_map) runs that code only on opt-in."""
+    if trust_remote_code:
+        return
+    config = Path(model_dir) / "config.json"
+    try:
+        auto_map = json.loads(config.read_text()).get("auto_map")
+    except (OSError, ValueError):
+        return  # read_model_info reports an unreadable config
+    if auto_map:
+        raise InputError(
+            f"model: {model_dir} ships its own code (auto_map in {config.name}); layertap runs it only when "
+            "trust_remote_code is set (--trust-remote-code or LAYERTAP_TRUST_REMOTE_CODE=true)"
+        )
+
+
+def check_run(settings) -> None:
+    """Inputs, model, layers and store, in that order; raises InputError or StoreError."""
+    if not settings.input:
+        raise InputError("input: no input files given (--input or LAYERTAP_INPUT)")
+    check_inputs(list(settings.input), settings.text_column)
+    if settings.model:
+        model = Path(settings.model).expanduser()
+        if not model.is_dir():
+            raise InputError(f"model: {settings.model} is not a folder")
+        info = read_model_info(model)
+        check_model_code(model, settings.trust_remote_code)
+        resolve_layers(settings.layer_spec(), info.num_layers)
+    if (settings.store_path() / DB_NAME).is_file():
+        Store(settings.store_path())  # opens read-only and checks the schema version

@@ -1,0 +1,111 @@
+"""Faults injected at the engine boundary of a real run: retried, split, restarted or quarantined, and the
+rest of the run still completes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from layertap import engine_cache, faults
+
+pytestmark = pytest.mark.usefixtures("prefect_harness", "shared_engine")
+
+TEXTS = [f"prompt number {i} about rivers and clocks" for i in range(12)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_fault_counters():
+    faults.reset()
+    yield
+    faults.reset()
+
+
+@pytest.fixture
+def run(tiny_model, tmp_path):
+    from flows.embed import embed_flow
+
+    source = tmp_path / "in.csv"
+    source.write_text("text\n" + "".join(f"{t}\n" for t in TEXTS))
+
+    def go(**params):
+        params.setdefault("batch_size", 4)
+        params.setdefault("layers", "0,-1")
+        state = embed_flow(input=[str(source)], model=tiny_model, store=str(tmp_path / "store"),
+                           parity_sample=2, env_file=None, return_state=True, **params)
+        return state.result(), state.state_details.flow_run_id
+
+    return go
+
+
+def extract_run_counts(flow_run_id) -> list[int]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return sorted(r.run_count for r in runs if r.name.startswith("extract-batch"))
+
+
+def statuses(store) -> list[tuple[str, str | None]]:
+    from layertap import Store
+
+    return [(row["status"], row["reason"]) for row in Store(store).ledger().to_pylist()]
+
+
+def test_a_failing_batch_is_retried_with_backoff(run, tmp_path, monkeypatch):
+    run(layers="1")  # the engine is up before counting
+    started = engine_cache.engines_started()
+    monkeypatch.setenv(faults.ENV, "extract:error*2")  # the first two attempts fail, the third works
+    summary, flow_run_id = run()
+    assert summary["embedded"] == len(TEXTS) and not summary["quarantined"]
+    assert extract_run_counts(flow_run_id) == [1, 1, 3]
+    assert engine_cache.engines_started() == started  # the engine still answered: not restarted
+    assert statuses(tmp_path / "store") == [("embedded", None)] * len(TEXTS)
+
+
+def test_out_of_memory_splits_the_batch(run, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(faults.ENV, "extract:oom>1")  # only single prompts fit
+    with caplog.at_level(logging.WARNING, logger="layertap.split_on_oom"):
+        summary, flow_run_id = run()
+    assert summary["embedded"] == len(TEXTS) and not summary["quarantined"]
+    assert extract_run_counts(flow_run_id) == [1, 1, 1]  # split inside the attempt, not retried
+    assert sum("out of memory on 4 prompts: retrying as 2 + 2" in m for m in caplog.messages) == 3
+    from layertap import Store
+
+    assert Store(tmp_path / "store").embeddings(layer=-1).num_rows == len(TEXTS)
+
+
+def test_a_dead_engine_is_restarted(run, tmp_path, monkeypatch):
+    monkeypatch.setenv(faults.ENV, "extract:die@2")  # the engine dies during the second batch
+    started = engine_cache.engines_started()
+    summary, flow_run_id = run()
+    assert summary["embedded"] == len(TEXTS) and not summary["quarantined"]
+    assert engine_cache.engines_started() == started + 1 + (started == 0)
+    assert extract_run_counts(flow_run_id) == [1, 1, 2]
+
+
+def test_a_batch_that_keeps_failing_is_quarantined_and_the_rest_completes(run, tmp_path, monkeypatch):
+    monkeypatch.setenv(faults.ENV, f"extract:poison={TEXTS[5]}")
+    summary, flow_run_id = run()
+    assert [q["prompts"] for q in summary["quarantined"]] == [4]
+    assert "InjectedFault" in summary["quarantined"][0]["error"]
+    assert summary["embedded"] == len(TEXTS) - 4
+    assert extract_run_counts(flow_run_id) == [1, 1, 3]
+    ledger = statuses(tmp_path / "store")
+    assert [s for s, _ in ledger].count("quarantined") == 4 and [s for s, _ in ledger].count("embedded") == 8
+    assert all("InjectedFault" in reason for status, reason in ledger if status == "quarantined")
+    assert summary["ledger"]["quarantined"] == 4 and summary["ledger"]["pending"] == 0
+
+    monkeypatch.delenv(faults.ENV)
+    again, _ = run()  # the cause is gone: the quarantined batch is tried again and published
+    assert again["planned"] == again["embedded"] == 4 and not again["quarantined"]
+    assert statuses(tmp_path / "store") == [("embedded", None)] * len(TEXTS)
+
+
+def test_a_run_whose_batches_all_fail_stops(run, monkeypatch):
+    from layertap.errors import EngineError
+
+    monkeypatch.setenv(faults.ENV, "extract:error")
+    with pytest.raises(EngineError, match="the first 3 batches all failed"):
+        run(batch_size=3)

@@ -1,0 +1,49 @@
+"""A real writer process for the concurrency tests: holds the store lock and keeps publishing parts.
+
+Usage: python store_writer_child.py STORE ROUNDS. Each round appends 50 new rows, normalises, plans and
+publishes every batch with deterministic stand-in vectors (no engine: the store is what is under test).
+Prints "locked" once it holds the lock, then "round N" after each round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from layertap.normalise import NormaliseRules
+from layertap.store import ExtractionKey, StoreDB
+from layertap.store_lock import store_lock
+from layertap.writer import write_part
+
+RULES = NormaliseRules()
+KEY = ExtractionKey("fp-child", "/models/child", "last", "float32", RULES.rules_id, hidden_size=8, num_layers=2)
+
+
+def vector(prompt_hash: str, layer: int) -> np.ndarray:
+    seed = int(hashlib.sha256(f"{prompt_hash}:{layer}".encode()).hexdigest()[:8], 16)
+    return np.random.default_rng(seed).standard_normal(8).astype(np.float32)
+
+
+def main(store: str, rounds: int) -> None:
+    with store_lock(store):
+        print("locked", flush=True)
+        db = StoreDB(store)
+        eid = db.register_extraction(KEY)
+        for r in range(rounds):
+            source = Path(store).parent / f"input-{r}.csv"
+            source.write_text("text\n" + "".join(f"round {r} row {i}\n" for i in range(50)))
+            db.ingest([str(source)], "text")
+            db.normalise(RULES)
+            for batch in db.plan(eid, [0, 2], RULES.rules_id, 10):
+                hashes, _ = db.batch_prompts(batch.batch_id)
+                vectors = {layer: np.stack([vector(h, layer) for h in hashes]) for layer in batch.layers}
+                relpath = write_part(db.root, eid, batch.batch_id, hashes, vectors, "float32")
+                db.publish_part(eid, batch.batch_id, relpath, batch.layers, hashes)
+            print(f"round {r}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
