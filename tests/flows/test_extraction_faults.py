@@ -59,7 +59,8 @@ def test_a_failing_batch_is_retried_with_backoff(run, tmp_path, monkeypatch):
     monkeypatch.setenv(faults.ENV, "extract:error*2")  # the first two attempts fail, the third works
     summary, flow_run_id = run()
     assert summary["embedded"] == len(TEXTS) and not summary["quarantined"]
-    assert extract_run_counts(flow_run_id) == [1, 1, 3]
+    counts = extract_run_counts(flow_run_id)  # batches run concurrently: either may take the failures
+    assert len(counts) == 3 and sum(count - 1 for count in counts) == 2
     assert engine_cache.engines_started() == started  # the engine still answered: not restarted
     assert statuses(tmp_path / "store") == [("embedded", None)] * len(TEXTS)
 
@@ -82,7 +83,8 @@ def test_a_dead_engine_is_restarted(run, tmp_path, monkeypatch):
     summary, flow_run_id = run()
     assert summary["embedded"] == len(TEXTS) and not summary["quarantined"]
     assert engine_cache.engines_started() == started + 1 + (started == 0)
-    assert extract_run_counts(flow_run_id) == [1, 1, 2]
+    counts = extract_run_counts(flow_run_id)  # batches in flight on the dead engine are retried too
+    assert len(counts) == 3 and counts[-1] == 2 and max(counts) == 2
 
 
 def test_a_batch_that_keeps_failing_is_quarantined_and_the_rest_completes(run, tmp_path, monkeypatch):
@@ -91,7 +93,8 @@ def test_a_batch_that_keeps_failing_is_quarantined_and_the_rest_completes(run, t
     assert [q["prompts"] for q in summary["quarantined"]] == [4]
     assert "InjectedFault" in summary["quarantined"][0]["error"]
     assert summary["embedded"] == len(TEXTS) - 4
-    assert extract_run_counts(flow_run_id) == [1, 1, 3]
+    counts = extract_run_counts(flow_run_id)  # batches run concurrently: either may take the failures
+    assert len(counts) == 3 and sum(count - 1 for count in counts) == 2
     ledger = statuses(tmp_path / "store")
     assert [s for s, _ in ledger].count("quarantined") == 4 and [s for s, _ in ledger].count("embedded") == 8
     assert all("InjectedFault" in reason for status, reason in ledger if status == "quarantined")
