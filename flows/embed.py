@@ -1,47 +1,16 @@
-"""The `embed` flow: input rows in, validated per-layer embeddings in the store out.
-
-ingest -> normalise/dedup -> register extraction -> plan -> per batch: extract -> validate -> publish
--> validate store. Only work the store lacks is planned, so a rerun over unchanged inputs starts no engine.
-"""
+"""The `embed` flow: input rows in, validated per-layer embeddings in the store out (see
+`flows.pipeline`). Parameters are the CLI's options, so a deployment runs exactly what `layertap run` does."""
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
-from prefect import flow, get_run_logger
+from prefect import flow
 from pydantic import ValidationError
 
-from layertap import engine_cache
+from flows.pipeline import resolve_model, run_pipeline
 from layertap.errors import InputError
-from layertap.settings import Settings, load_settings, settings_error_line
-from tasks import (
-    extract_batch,
-    ingest,
-    normalise,
-    plan,
-    publish_batch,
-    register_extraction,
-    validate_batch,
-    validate_store,
-)
+from layertap.settings import load_settings, settings_error_line
 
-
-def resolve_model(settings: Settings) -> str:
-    """The model folder to use; without one, the embedded tiny demo model (built once, then reused)."""
-    if settings.model:
-        return str(Path(settings.model).expanduser().resolve())
-    from layertap.tiny_model import build_tiny_model
-
-    return build_tiny_model(settings.demo_model_dir())
-
-
-def _extract(store: str, store_uuid: str, batch: dict, settings: Settings) -> dict:
-    """Extract one batch, reusing a cached part only while its file is still where the cache says."""
-    part = extract_batch(store, store_uuid, batch, settings)
-    if part["relpath"] is not None and not (Path(store) / part["relpath"]).is_file():
-        part = extract_batch.with_options(refresh_cache=True)(store, store_uuid, batch, settings)
-    return part
+__all__ = ["embed_flow", "resolve_model"]
 
 
 @flow(name="embed", log_prints=False)
@@ -67,8 +36,6 @@ def embed_flow(
 ) -> dict:
     """Embed every input row's prompt at the requested layers; parameters left at None come from
     LAYERTAP_* environment variables, then `env_file`, then the defaults."""
-    started = time.perf_counter()
-    logger = get_run_logger()
     try:
         settings = load_settings(
             env_file=env_file,
@@ -94,57 +61,4 @@ def embed_flow(
         raise InputError(settings_error_line(exc)) from None
     if not settings.input:
         raise InputError("input: no input files given (--input or LAYERTAP_INPUT)")
-    store_dir = str(settings.store_path())
-    if not settings.model:
-        logger.info("no model given: using the tiny demo model in %s", settings.demo_model_dir())
-    settings = settings.model_copy(update={"model": resolve_model(settings), "store": store_dir})
-
-    try:
-        ingested = ingest(store_dir, settings.input, settings.text_column)
-        normalised = normalise(store_dir, settings.remove_period)
-        key = register_extraction(
-            store_dir, settings.model, settings.pooling, settings.dtype, settings.remove_period,
-            settings.layer_spec(),
-        )
-        eid, layer_list = key["extraction_id"], key["layers"]
-        batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size)
-        planned = sum(b["num_prompts"] for b in batches)
-
-        embedded = refused = 0
-        for index, batch in enumerate(batches):
-            part = _extract(store_dir, key["store_uuid"], batch, settings)
-            validate_batch(store_dir, part, key["hidden_size"], settings, parity=index == 0)
-            published = publish_batch(store_dir, part)
-            embedded += published["published"]
-            refused += published["rejected"]
-        ledger = validate_store(store_dir, key["rules_id"], eid, layer_list)
-        if not batches:
-            logger.info("nothing to extract: %d prompts already embedded", ledger["embedded"])
-    finally:
-        engine_cache.close_runners()
-
-    rejected = dict(normalised.get("rejected") or {})
-    summary = {
-        "rows": ingested["rows_total"],
-        "new_rows": ingested["rows_new"],
-        "new_prompts": normalised["new_prompts"],
-        "duplicates": normalised["duplicates"],
-        "rejected": sum(rejected.values()),
-        "refused": refused,
-        "planned": planned,
-        "embedded": embedded,
-        "layers": layer_list,
-        "dimension": key["hidden_size"],
-        "store": store_dir,
-        "model": settings.model,
-        "extraction_id": eid,
-        "ledger": ledger,
-        "seconds": round(time.perf_counter() - started, 3),
-    }
-    logger.info(
-        "embed done: %d rows, %d new prompts, %d duplicates, %d rejected, %d planned, %d embedded, "
-        "%d refused by the engine, layers %s, dimension %d, extraction %s, %.1fs",
-        summary["rows"], summary["new_prompts"], summary["duplicates"], summary["rejected"], planned, embedded,
-        refused, ",".join(map(str, layer_list)), summary["dimension"], eid, summary["seconds"],
-    )
-    return summary
+    return run_pipeline(settings)

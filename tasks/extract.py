@@ -85,4 +85,6 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         "layers": layers,
         "num_prompts": len(kept),
         "rejected": rejected,
+        "num_tokens": result.num_tokens,
+        "seconds": round(seconds, 4),
     }

@@ -10,9 +10,12 @@ from layertap.store import StoreDB
 
 
 @task(name="validate-store", cache_policy=NO_CACHE)
-def validate_store(store: str, rules_id: str, extraction_id: str, layers: list[int]) -> dict:
-    """One result per planned prompt and layer, and a ledger that accounts for every input row."""
-    counts = StoreDB(store).ledger_counts(rules_id, extraction_id, list(layers))
+def validate_store(
+    store: str, rules_id: str, extraction_id: str, layers: list[int], sources: list[str] | None = None
+) -> dict:
+    """One result per planned prompt and layer, and a ledger that accounts for every input row (of
+    `sources`, or of the whole store if None)."""
+    counts = StoreDB(store).ledger_counts(rules_id, extraction_id, list(layers), sources)
     if counts["pending"]:
         raise CheckFailed(
             f"check 'store complete': {counts['pending']} rows still lack a result for some of layers "
