@@ -304,7 +304,7 @@ def _store_dir(args: argparse.Namespace) -> Path:
     return load_settings(env_file=_env_file(args), store=args.store).store_path()
 
 
-def send_rows_added(dataset: str, store: str, files: list[str], new_rows: int) -> str:
+def send_rows_added(dataset: str, store: str, files: list[str]) -> str:
     """Emit the rows-added event to the configured Prefect server; returns the event id."""
     from prefect.client.orchestration import get_client
     from prefect.events import emit_event
@@ -322,7 +322,7 @@ def send_rows_added(dataset: str, store: str, files: list[str], new_rows: int) -
         raise RuntimeError(f"Prefect server at {url} is not reachable ({problem})")
     sent = emit_event(
         events.ROWS_ADDED, resource=events.resource(dataset, store),
-        payload=events.payload(dataset, store, files, new_rows),
+        payload=events.payload(dataset, store, files),
     )
     EventsWorker.drain_all(timeout=30)
     if sent is None:
@@ -343,15 +343,15 @@ def cmd_add(args: argparse.Namespace) -> int:
         options["model"] = str(Path(options["model"]).expanduser().resolve())
     given = {name for name in given_names if getattr(args, name) is not None}
     store = str(settings.store_path())
-    added = Registry(store).add_rows(args.dataset, list(args.input), settings.text_column, options, given)
+    added = Registry(store).add_files(args.dataset, list(args.input), settings.text_column, options, given)
     result = {
         "dataset": args.dataset, "store": store, "created": added.created, "files": added.files,
-        "new_rows": added.ingest.rows_new, "dataset_files": len(added.dataset.sources), "event": None,
+        "new_files": added.new_files, "dataset_files": len(added.dataset.sources), "event": None,
     }
     note = None
     if args.event:
         try:
-            result["event"] = send_rows_added(args.dataset, store, added.files, added.ingest.rows_new)
+            result["event"] = send_rows_added(args.dataset, store, added.files)
         except RuntimeError as exc:
             note = (f"no {ROWS_ADDED} event sent: {exc}; embed now with "
                     f"`layertap run --dataset {args.dataset} --store {store}`")
@@ -359,8 +359,8 @@ def cmd_add(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         verb = "created" if added.created else "added to"
-        print(f"layertap add: {verb} dataset {args.dataset}: {len(added.files)} files, "
-              f"{added.ingest.rows_new} new rows ({len(added.dataset.sources)} files in the dataset)")
+        print(f"layertap add: {verb} dataset {args.dataset}: {len(added.files)} files given, "
+              f"{len(added.new_files)} new to it ({len(added.dataset.sources)} files in the dataset)")
         print(f"  store      {store}")
         if result["event"]:
             print(f"  event      {ROWS_ADDED} {result['event']}")
@@ -380,7 +380,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"datasets ({len(status['datasets'])})")
     for d in status["datasets"]:
         opts = d["options"]
-        print(f"  {d['name']:<20} {d['files']:>3} files {d['rows']:>9} rows   layers {opts.get('layers')}, "
+        unread = f" ({d['files'] - d['files_read']} not read yet)" if d["files"] > d["files_read"] else ""
+        print(f"  {d['name']:<20} {d['files']:>3} files{unread} {d['rows']:>9} rows   layers {opts.get('layers')}, "
               f"{opts.get('pooling')}, {opts.get('dtype')}, model {opts.get('model') or 'tiny demo model'}")
     print(f"extractions ({len(status['extractions'])})")
     for e in status["extractions"]:

@@ -19,6 +19,7 @@ def resource(dataset: str, store: str) -> dict[str, str]:
     }
 
 
-def payload(dataset: str, store: str, files: list[str], new_rows: int) -> dict:
-    """What the trigger reads: `dataset` and `store` become the flow run's parameters."""
-    return {"dataset": dataset, "store": store, "files": list(files), "new_rows": int(new_rows)}
+def payload(dataset: str, store: str, files: list[str]) -> dict:
+    """What the trigger reads: `dataset` and `store` become the flow run's parameters; `files` (absolute
+    paths) are for people reading the event feed."""
+    return {"dataset": dataset, "store": store, "files": list(files)}

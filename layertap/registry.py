@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from layertap.errors import InputError, StoreError
-from layertap.store import DB_NAME, IngestReport, StoreDB, _connect, _one
+from layertap.store import DB_NAME, StoreDB, _connect, _one
 
 # Safe in a Prefect resource id, a file name and a shell without quoting.
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -35,12 +35,13 @@ class Dataset:
 
 @dataclass(frozen=True)
 class Added:
-    """What `add_rows` did: the rows it read and whether it created the dataset."""
+    """What `add_files` did: the files it was given (absolute), those new to the dataset, and whether it
+    created the dataset."""
 
     dataset: Dataset
     created: bool
-    ingest: IngestReport
-    files: list[str] = field(default_factory=list)
+    files: list[str]
+    new_files: list[str]
 
 
 def check_name(name: str) -> str:
@@ -62,8 +63,10 @@ class Registry:
         self.db = StoreDB(root)
         self.root = self.db.root
 
-    def add_rows(self, name: str, files: list[str], text_column: str, options: dict, given: set[str]) -> Added:
-        """Register `files` under `name` (creating the dataset on first use) and ingest their rows.
+    def add_files(self, name: str, files: list[str], text_column: str, options: dict, given: set[str]) -> Added:
+        """Register `files` under `name`, creating the dataset on first use. Their rows are read by the next
+        run (the event-triggered one), which then reports them as new; the files are checked here
+        (readable, has the text column) so a mistake fails at once.
 
         `options` are the resolved extraction settings; on an existing dataset, an option in `given` (set
         explicitly by the caller) must agree with what the dataset was created with, since changing it
@@ -80,21 +83,22 @@ class Registry:
             if clashes:
                 listed = ", ".join(f"{k}={known.options.get(k)!r} (given {options[k]!r})" for k in clashes)
                 raise InputError(f"dataset {name} was created with {listed}; use a new dataset name to change them")
-        report = self.db.ingest(list(files), text_column)
+        checked = self.db.check_inputs(list(files), text_column)
+        new_files = [f for f in checked if known is None or f not in known.sources]
         with self.db._connect() as con:
             con.begin()
             if known is None:
                 con.execute(
                     "INSERT INTO datasets VALUES (?, ?, ?, now())", [name, text_column, json.dumps(options)]
                 )
-            for source in report.sources:
+            for source in new_files:
                 con.execute(
                     """INSERT INTO dataset_sources SELECT ?, ?, now()
                     WHERE NOT EXISTS (SELECT 1 FROM dataset_sources WHERE dataset = ? AND source = ?)""",
                     [name, source, name, source],
                 )
             con.commit()
-        return Added(dataset=self.get(name), created=known is None, ingest=report, files=report.sources)
+        return Added(dataset=self.get(name), created=known is None, files=checked, new_files=new_files)
 
     def find(self, name: str) -> Dataset | None:
         with self.db._connect() as con:
@@ -155,14 +159,15 @@ def read_status(store_dir: str | Path, last_runs: int = 5) -> dict:
         has_registry = version != "1"
         datasets = []
         if has_registry:
-            for name, text_column, options, files, rows in con.execute(
-                """SELECT d.name, d.text_column, d.options, count(s.source), coalesce(sum(s.num_rows), 0)
+            for name, text_column, options, files, read, rows in con.execute(
+                """SELECT d.name, d.text_column, d.options, count(ds.source), count(s.source),
+                          coalesce(sum(s.num_rows), 0)
                 FROM datasets d LEFT JOIN dataset_sources ds ON ds.dataset = d.name
                      LEFT JOIN sources s ON s.source = ds.source
                 GROUP BY ALL ORDER BY d.name"""
             ).fetchall():
                 datasets.append({"name": name, "text_column": text_column, "options": json.loads(options),
-                                 "files": files, "rows": int(rows)})
+                                 "files": files, "files_read": read, "rows": int(rows)})
         rows, sources, prompts = _one(
             con, "SELECT (SELECT count(*) FROM rows), (SELECT count(*) FROM sources), (SELECT count(*) FROM prompts)"
         )

@@ -344,6 +344,14 @@ class StoreDB:
     def _connect(self) -> duckdb.DuckDBPyConnection:
         return _connect(self.db_path)
 
+    def check_inputs(self, paths: list[str], text_column: str) -> list[str]:
+        """The input files, expanded and checked (readable, has the column) without recording anything."""
+        files = _expand_inputs(paths)
+        with self._connect() as con:
+            for path in files:
+                _row_source_sql(con, path, text_column)
+        return files
+
     def ingest(self, paths: list[str], text_column: str) -> IngestReport:
         """Record every row of the given files; unchanged files are skipped, changed ones replace their rows.
 
