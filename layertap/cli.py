@@ -1,4 +1,4 @@
-"""`layertap run` and `layertap demo`.
+"""`layertap run | add | status | export | validate | serve | demo`.
 
 Every option can also come from a LAYERTAP_<NAME> environment variable or a `.env` file
 (CLI > environment > .env > default). Prefect and the flows are imported inside the commands only, so
@@ -16,12 +16,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from layertap.events import ROWS_ADDED
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_QUARANTINED = 3  # the run finished, but some batches kept failing and were set aside
 EXIT_INTERRUPTED = 130
 
+PREFECT_FILE = Path(__file__).resolve().parents[1] / "prefect.yaml"
 SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "sample.csv"
 DEMO_STORE = "./layertap-demo"
 
@@ -48,6 +51,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch-size", metavar="N", help="prompts per extraction batch (default: 1024)")
     p.add_argument("--parity-sample", metavar="N", help="prompts checked against Hugging Face (default: 8; 0 = off)")
+    p.add_argument("--batches-in-flight", metavar="N",
+                   help="batches extracted at once, so writing overlaps the engine (default: 2)")
     p.add_argument("--max-num-batched-tokens", metavar="N", help="engine tokens per step (default: engine's)")
     p.add_argument("--max-model-len", metavar="N", help="longest prompt in tokens (default: model's)")
     p.add_argument("--gpu-memory-utilization", metavar="F", help="engine memory share (default: runner picks)")
@@ -62,6 +67,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="wait this long for another run holding the store (default: 0, fail at once)")
     p.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+
+
+def _progress_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="draw a progress bar on stderr while extracting (default: when stderr is a terminal)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,8 +94,85 @@ def build_parser() -> argparse.ArgumentParser:
         help="CSV/TSV/Parquet/JSONL files or globs (repeatable)",
     )
     run.add_argument("--store", metavar="DIR", help="store folder (default: ./layertap-store)")
+    run.add_argument(
+        "--dataset", metavar="NAME",
+        help="embed what is new in this registered dataset (its files and settings come from the store)",
+    )
     _engine_options(run)
+    _progress_option(run)
     run.set_defaults(func=cmd_run)
+
+    add = sub.add_parser(
+        "add",
+        help="add input files to a named dataset and announce the new rows",
+        description=(
+            "Register files under a dataset name in the store, read their rows, and emit the "
+            f"'{ROWS_ADDED}' event to the Prefect server in PREFECT_API_URL, which triggers the "
+            "embed-new-rows deployment for this dataset. The first add fixes the dataset's text column, "
+            "model, layers, pooling, dtype and normalisation; later adds reuse them."
+        ),
+        epilog=epilog,
+    )
+    add.add_argument("--dataset", metavar="NAME", required=True, help="dataset name (a-z, 0-9, '.', '_', '-')")
+    add.add_argument("--input", nargs="+", action="extend", metavar="PATH", required=True,
+                     help="CSV/TSV/Parquet/JSONL files or globs to add (a file added again is re-read)")
+    add.add_argument("--store", metavar="DIR", help="store folder (default: ./layertap-store)")
+    add.add_argument("--text-column", metavar="COL", help="column holding the text (default: text)")
+    add.add_argument("--model", metavar="DIR", help="model folder for this dataset (default: the tiny demo model)")
+    add.add_argument("--layers", metavar="all|LIST", help="layers for this dataset (default: all)")
+    add.add_argument("--pooling", metavar="last|mean", help="pooling for this dataset (default: last)")
+    add.add_argument("--dtype", metavar="float32|float16|bfloat16", help="dtype for this dataset (default: float32)")
+    add.add_argument("--remove-period", action=argparse.BooleanOptionalAction, default=None,
+                     help="also strip trailing periods when normalising")
+    add.add_argument("--event", action=argparse.BooleanOptionalAction, default=True,
+                     help="emit the rows-added event (default: on; needs PREFECT_API_URL)")
+    add.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
+    add.add_argument("--json", action="store_true", help="print what was added as JSON")
+    add.set_defaults(func=cmd_add)
+
+    status = sub.add_parser("status", help="datasets, counts and the last runs of a store")
+    status.add_argument("--store", metavar="DIR", help="store folder (default: ./layertap-store)")
+    status.add_argument("--runs", metavar="N", type=int, default=5, help="how many recent runs to show (default: 5)")
+    status.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.set_defaults(func=cmd_status)
+
+    export = sub.add_parser(
+        "export", help="write one layer (or all) to Parquet or .npy files",
+        description=(
+            "Parquet: layer_<L>.parquet (prompt_hash, text, embedding). npy: layer_<L>.npy, a prompts x "
+            "dimension float array, with layer_<L>.csv giving each row's prompt_hash and text."
+        ),
+    )
+    export.add_argument("--store", metavar="DIR", help="store folder (default: ./layertap-store)")
+    export.add_argument("--layer", metavar="L|all", default="all",
+                        help="layer index (negative counts from the end) or 'all' (default: all)")
+    export.add_argument("--format", choices=("parquet", "npy"), default="parquet", help="file format (default: parquet)")
+    export.add_argument("--output", metavar="DIR", required=True, help="folder to write into (created if missing)")
+    export.add_argument("--model", metavar="DIR|FINGERPRINT", help="pick the extraction when the store holds several")
+    export.add_argument("--pooling", metavar="last|mean", help="pick the extraction by pooling")
+    export.add_argument("--dtype", metavar="DTYPE", help="pick the extraction by dtype")
+    export.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
+    export.set_defaults(func=cmd_export)
+
+    validate = sub.add_parser(
+        "validate", help="re-check every published part of a store (files, prompts, layers, finite vectors)"
+    )
+    validate.add_argument("--store", metavar="DIR", help="store folder (default: ./layertap-store)")
+    validate.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
+    validate.set_defaults(func=cmd_validate)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve the embed, embed-new-rows and embed-nightly deployments from this process",
+        description=(
+            "Registers the three deployments of prefect.yaml with the Prefect server in PREFECT_API_URL and "
+            "runs their flow runs in this process, without a work pool or worker. Stop with Ctrl-C."
+        ),
+    )
+    serve.add_argument("--prefect-file", metavar="PATH", default=str(PREFECT_FILE),
+                       help=f"deployments to serve (default: {PREFECT_FILE})")
+    serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser(
         "demo", help="build the tiny model, embed the shipped sample and show how to read it", epilog=epilog
@@ -93,13 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"store folder (default: {DEMO_STORE}; LAYERTAP_STORE is not used, so the demo never mixes into it)",
     )
     _engine_options(demo)
+    _progress_option(demo)
     demo.set_defaults(func=cmd_demo)
     return parser
 
 
 _SETTING_ARGS = (
     "input", "text_column", "model", "layers", "pooling", "dtype", "store", "remove_period", "batch_size",
-    "parity_sample", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
+    "parity_sample", "batches_in_flight", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
     "tensor_parallel_size", "enforce_eager", "trust_remote_code", "truncate", "lock_timeout",
 )
 
@@ -110,10 +200,7 @@ def settings_from_args(args: argparse.Namespace, **forced: Any):
 
     given = {name: getattr(args, name, None) for name in _SETTING_ARGS}
     given.update(forced)
-    env_file = args.env_file if args.env_file and Path(args.env_file).is_file() else None
-    if args.env_file and args.env_file != ".env" and env_file is None:
-        raise FileNotFoundError(f"env file {args.env_file} does not exist")
-    return load_settings(env_file=env_file, **given)
+    return load_settings(env_file=_env_file(args), **given)
 
 
 def preflight(settings) -> None:
@@ -172,21 +259,203 @@ def _print_summary(summary: dict, title: str) -> None:
         print("  ledger     " + ", ".join(f"{s} {ledger[s]}" for s in statuses if s in ledger and (ledger[s] or s != "quarantined")))
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def _progress_bar(args: argparse.Namespace):
+    """A bar on stderr when asked for, or by default when stderr is a terminal; else a no-op context."""
+    import contextlib
+
+    from layertap import progress
+
+    wanted = args.progress if args.progress is not None else sys.stderr.isatty()
+    return progress.listen(progress.ProgressBar(sys.stderr)) if wanted else contextlib.nullcontext()
+
+
+# Settings a dataset fixes when it is created; `run --dataset` may not change them.
+_DATASET_FIXED = ("input", "text_column", "model", "layers", "pooling", "dtype", "remove_period")
+
+
+def run_dataset(args: argparse.Namespace) -> dict:
+    """`run --dataset`: the embed-dataset flow in this process, with the run options given here."""
+    from flows.embed_dataset import embed_dataset_flow
+    from layertap.errors import InputError
+
+    fixed = [f"--{name.replace('_', '-')}" for name in _DATASET_FIXED if getattr(args, name, None) is not None]
+    if fixed:
+        raise InputError(f"{', '.join(fixed)}: set by dataset {args.dataset} when it was first added")
+    options = {name: getattr(args, name) for name in _SETTING_ARGS if name not in _DATASET_FIXED + ("store",)}
+    options = {k: v for k, v in options.items() if v is not None}
     settings = settings_from_args(args)
-    preflight(settings)
-    summary = run_flow(settings)
+    return embed_dataset_flow(args.dataset, str(settings.store_path()), _env_file(args), options)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.dataset:
+        with _progress_bar(args):
+            summary = run_dataset(args)
+    else:
+        settings = settings_from_args(args)
+        preflight(settings)
+        with _progress_bar(args):
+            summary = run_flow(settings)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:
-        _print_summary(summary, "layertap run")
+        _print_summary(summary, f"layertap run (dataset {args.dataset})" if args.dataset else "layertap run")
     return EXIT_QUARANTINED if summary.get("quarantined") else EXIT_OK
+
+
+def _env_file(args: argparse.Namespace) -> str | None:
+    env_file = args.env_file if args.env_file and Path(args.env_file).is_file() else None
+    if args.env_file and args.env_file != ".env" and env_file is None:
+        raise FileNotFoundError(f"env file {args.env_file} does not exist")
+    return env_file
+
+
+def _store_dir(args: argparse.Namespace) -> Path:
+    from layertap.settings import load_settings
+
+    return load_settings(env_file=_env_file(args), store=args.store).store_path()
+
+
+def send_rows_added(dataset: str, store: str, files: list[str]) -> str:
+    """Emit the rows-added event to the configured Prefect server; returns the event id."""
+    from prefect.client.orchestration import get_client
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+    from prefect.settings import PREFECT_API_URL
+
+    from layertap import events
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise RuntimeError("PREFECT_API_URL is not set")
+    with get_client(sync_client=True) as client:
+        problem = client.api_healthcheck()
+    if problem is not None:
+        raise RuntimeError(f"Prefect server at {url} is not reachable ({problem})")
+    sent = emit_event(
+        events.ROWS_ADDED, resource=events.resource(dataset, store),
+        payload=events.payload(dataset, store, files),
+    )
+    EventsWorker.drain_all(timeout=30)
+    if sent is None:
+        raise RuntimeError("Prefect did not emit the event")
+    return str(sent.id)
+
+
+def cmd_add(args: argparse.Namespace) -> int:
+    from layertap.registry import EXTRACTION_OPTIONS, Registry
+    from layertap.settings import load_settings
+
+    given_names = ("text_column", *EXTRACTION_OPTIONS)
+    settings = load_settings(
+        env_file=_env_file(args), store=args.store, **{name: getattr(args, name) for name in given_names}
+    )
+    options = {name: getattr(settings, name) for name in EXTRACTION_OPTIONS}
+    if options["model"]:
+        options["model"] = str(Path(options["model"]).expanduser().resolve())
+    given = {name for name in given_names if getattr(args, name) is not None}
+    store = str(settings.store_path())
+    added = Registry(store).add_files(args.dataset, list(args.input), settings.text_column, options, given)
+    result = {
+        "dataset": args.dataset, "store": store, "created": added.created, "files": added.files,
+        "new_files": added.new_files, "dataset_files": len(added.dataset.sources), "event": None,
+    }
+    note = None
+    if args.event:
+        try:
+            result["event"] = send_rows_added(args.dataset, store, added.files)
+        except RuntimeError as exc:
+            note = (f"no {ROWS_ADDED} event sent: {exc}; embed now with "
+                    f"`layertap run --dataset {args.dataset} --store {store}`")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        verb = "created" if added.created else "added to"
+        print(f"layertap add: {verb} dataset {args.dataset}: {len(added.files)} files given, "
+              f"{len(added.new_files)} new to it ({len(added.dataset.sources)} files in the dataset)")
+        print(f"  store      {store}")
+        if result["event"]:
+            print(f"  event      {ROWS_ADDED} {result['event']}")
+    if note:
+        print(f"layertap: note: {note}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from layertap.registry import read_status
+
+    status = read_status(_store_dir(args), last_runs=args.runs)
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+        return EXIT_OK
+    print(f"store {status['store']}: {status['files']} files, {status['rows']} rows, {status['prompts']} prompts")
+    print(f"datasets ({len(status['datasets'])})")
+    for d in status["datasets"]:
+        opts = d["options"]
+        unread = f" ({d['files'] - d['files_read']} not read yet)" if d["files"] > d["files_read"] else ""
+        print(f"  {d['name']:<20} {d['files']:>3} files{unread} {d['rows']:>9} rows   layers {opts.get('layers')}, "
+              f"{opts.get('pooling')}, {opts.get('dtype')}, model {opts.get('model') or 'tiny demo model'}")
+    print(f"extractions ({len(status['extractions'])})")
+    for e in status["extractions"]:
+        layers = ",".join(map(str, e["layers"])) or "none yet"
+        print(f"  {e['extraction_id']}  {e['prompts']:>9} prompts  layers {layers}  {e['pooling']}, {e['dtype']}, "
+              f"{e['model']}")
+    print(f"last runs ({len(status['runs'])})")
+    for r in status["runs"]:
+        s = r["summary"]
+        what = r["dataset"] and f"dataset {r['dataset']}" or "inputs"
+        if r["status"] == "completed":
+            detail = (f"{s.get('new_rows', 0)} new rows, {s.get('embedded', 0)} embedded, "
+                      f"{s.get('skipped', 0)} skipped, {s.get('ledger', {}).get('rejected', 0)} rejected")
+        else:
+            detail = s.get("error", "")
+        seconds = f"{r['seconds']:.1f}s" if r["seconds"] is not None else "-"
+        print(f"  {str(r['started_at'])[:19]}  {r['status']:<9} {what:<24} {detail}  {seconds}")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from layertap.export import export_layers
+    from layertap.errors import InputError
+
+    if args.layer == "all":
+        layers: Any = "all"
+    else:
+        try:
+            layers = [int(part) for part in args.layer.split(",")]
+        except ValueError:
+            raise InputError(f"--layer {args.layer!r}: expected 'all' or layer indices like 4 or 0,-1") from None
+    written = export_layers(_store_dir(args), args.output, layers, args.format,
+                            model=args.model, pooling=args.pooling, dtype=args.dtype)
+    for path in written:
+        print(path)
+    return EXIT_OK
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from layertap.store_check import check_store
+
+    report = check_store(_store_dir(args))
+    for problem in report.problems:
+        print(f"  {problem}")
+    if not report.ok:
+        raise RuntimeError(f"{report.store}: {len(report.problems)} of {report.parts} parts failed the checks")
+    print(f"layertap validate: {report.store}: {report.parts} parts, {report.vectors} vectors, all checks passed")
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flows.serve import serve_from_prefect_file
+
+    serve_from_prefect_file(args.prefect_file)
+    return EXIT_OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, input=[str(SAMPLE_DATA)], text_column="text")
     preflight(settings)
-    summary = run_flow(settings)
+    with _progress_bar(args):
+        summary = run_flow(settings)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return EXIT_OK

@@ -30,12 +30,33 @@ from layertap.normalise import REJECT_EMPTY, REJECT_NUL, REJECT_NULL, NormaliseR
 from layertap.writer import layer_column
 
 SCHEMA_VERSION = "2"
+# Version 1 lacked the dataset registry, the run history, input-level rejects, truncation, notes and the
+# quarantine; opening it for writing adds them (readers ask for that first).
+UPGRADABLE_VERSIONS = ("1",)
 DB_NAME = "layertap.duckdb"
 LOCK_WAIT_S = 30.0
 
 # Columns of random hex hashes are stored uncompressed: compressing them saves half their size but makes
 # writing them about six times slower, and the store writes a million of them per million input rows.
 _HASH = "VARCHAR USING COMPRESSION uncompressed"
+
+# The dataset registry (name -> input files and the extraction they get) and the history of runs.
+# Tables version 2 added; `_upgrade` creates them in a version-1 store.
+_ADDED_IN_2 = """
+CREATE TABLE IF NOT EXISTS prompt_notes (
+    extraction_id VARCHAR NOT NULL, prompt_hash VARCHAR NOT NULL, note VARCHAR NOT NULL);
+CREATE TABLE IF NOT EXISTS quarantined (
+    batch_id VARCHAR PRIMARY KEY, extraction_id VARCHAR NOT NULL, error VARCHAR NOT NULL,
+    quarantined_at TIMESTAMPTZ NOT NULL);
+CREATE TABLE IF NOT EXISTS datasets (
+    name VARCHAR PRIMARY KEY, text_column VARCHAR NOT NULL, options VARCHAR NOT NULL,
+    created_at TIMESTAMPTZ NOT NULL);
+CREATE TABLE IF NOT EXISTS dataset_sources (
+    dataset VARCHAR NOT NULL, source VARCHAR NOT NULL, added_at TIMESTAMPTZ NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id VARCHAR PRIMARY KEY, dataset VARCHAR, flow_run_id VARCHAR, status VARCHAR NOT NULL,
+    started_at TIMESTAMPTZ NOT NULL, seconds DOUBLE, summary VARCHAR NOT NULL);
+"""
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL);
@@ -63,12 +84,7 @@ CREATE TABLE IF NOT EXISTS parts (
     part_id VARCHAR PRIMARY KEY, extraction_id VARCHAR NOT NULL, path VARCHAR NOT NULL,
     layers INTEGER[] NOT NULL, num_prompts BIGINT NOT NULL, created_at TIMESTAMPTZ NOT NULL);
 CREATE TABLE IF NOT EXISTS part_prompts (part_id VARCHAR NOT NULL, prompt_hash {_HASH} NOT NULL);
-CREATE TABLE IF NOT EXISTS prompt_notes (
-    extraction_id VARCHAR NOT NULL, prompt_hash VARCHAR NOT NULL, note VARCHAR NOT NULL);
-CREATE TABLE IF NOT EXISTS quarantined (
-    batch_id VARCHAR PRIMARY KEY, extraction_id VARCHAR NOT NULL, error VARCHAR NOT NULL,
-    quarantined_at TIMESTAMPTZ NOT NULL);
-"""
+{_ADDED_IN_2}"""
 # The big tables (rows, row_prompts, prompts, planned, part_prompts) have no keys on purpose: a key index on
 # 700k random hashes doubles the cost of inserting them. The anti-joins that insert them keep them unique.
 
@@ -79,9 +95,12 @@ _READERS = {
 # Prompts that still lack a requested layer: `todo(prompt_hash, missing)`, where `missing` is the lacking
 # layers as text ("3,7") or NULL for all of them, the common case, kept NULL so sorting by it stays cheap.
 # Parts holding every requested layer settle their prompts with one anti-join; only prompts in narrower
-# parts get per-layer bookkeeping. Parameters: $rules, $eid, $layers (sorted, distinct).
+# parts get per-layer bookkeeping. Parameters: $rules, $eid, $layers (sorted, distinct), $sources (the
+# input files in scope, or NULL for every file in the store).
 _TODO_CTES = """
-want AS (SELECT DISTINCT prompt_hash FROM row_prompts WHERE rules_id = $rules AND prompt_hash IS NOT NULL),
+want AS (
+    SELECT DISTINCT prompt_hash FROM row_prompts
+    WHERE rules_id = $rules AND prompt_hash IS NOT NULL AND ($sources IS NULL OR list_contains($sources, source))),
 refused AS (SELECT prompt_hash, reason FROM prompt_rejects WHERE extraction_id = $eid),
 hits AS (
     SELECT part_id, list_has_all(layers, $layers) AS whole, list_intersect(layers, $layers) AS got
@@ -116,7 +135,8 @@ joined AS (
     SELECT r.source, r.row_number, rp.prompt_hash, rp.reject_reason, rp.source IS NULL AS unseen,
            row_number() OVER (PARTITION BY rp.prompt_hash ORDER BY r.source, r.row_number) AS k
     FROM rows r LEFT JOIN row_prompts rp
-         ON rp.rules_id = $rules AND rp.source = r.source AND rp.row_number = r.row_number)
+         ON rp.rules_id = $rules AND rp.source = r.source AND rp.row_number = r.row_number
+    WHERE $sources IS NULL OR list_contains($sources, r.source))
 SELECT j.source, j.row_number,
        CASE WHEN j.reject_reason IS NOT NULL OR x.reason IS NOT NULL THEN 'rejected'
             WHEN j.unseen THEN 'pending'
@@ -142,6 +162,7 @@ class IngestReport:
     sources_skipped: int
     rows_total: int
     rows_new: int
+    sources: list[str]
 
 
 @dataclass(frozen=True)
@@ -223,13 +244,29 @@ def _one(con: duckdb.DuckDBPyConnection, sql: str, params: list | dict | None = 
     return rows[0] if rows else None
 
 
-def _check_version(con: duckdb.DuckDBPyConnection, db_path: Path) -> None:
+def _check_version(con: duckdb.DuckDBPyConnection, db_path: Path, readable: tuple[str, ...] = ()) -> str:
+    """The store's schema version; anything but this layertap's (or one of `readable`) is refused."""
     found = _one(con, "SELECT value FROM meta WHERE key = 'schema_version'")
+    if found is not None and found[0] in readable:
+        return found[0]
     if found is None or found[0] != SCHEMA_VERSION:
         version = found[0] if found else "unknown"
         raise StoreError(
             f"{db_path}: store has schema version {version}; this layertap needs {SCHEMA_VERSION}"
         )
+    return found[0]
+
+
+def _upgrade(con: duckdb.DuckDBPyConnection, db_path: Path) -> None:
+    """Bring an older store up to this schema in one transaction; only ever adds tables and columns."""
+    if _check_version(con, db_path, readable=UPGRADABLE_VERSIONS) == SCHEMA_VERSION:
+        return
+    con.begin()
+    con.execute("ALTER TABLE rows ADD COLUMN IF NOT EXISTS input_reject VARCHAR")
+    con.execute("ALTER TABLE extractions ADD COLUMN IF NOT EXISTS truncate_to INTEGER")
+    con.execute(_ADDED_IN_2)
+    con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [SCHEMA_VERSION])
+    con.commit()
 
 
 def _sorted_layers(layers: list[int]) -> list[int]:
@@ -237,6 +274,13 @@ def _sorted_layers(layers: list[int]) -> list[int]:
     if not out:
         raise ValueError("at least one layer is needed")
     return out
+
+
+def _scope(sources: list[str] | None) -> list[str] | None:
+    """Input files a plan or ledger is limited to, as the store records them; None means all of them."""
+    if sources is None:
+        return None
+    return [os.path.realpath(os.path.expanduser(str(s))) for s in sources]
 
 
 def _expand_inputs(paths: list[str]) -> list[str]:
@@ -384,12 +428,20 @@ class StoreDB:
                     "INSERT INTO meta VALUES ('schema_version', ?), ('store_uuid', ?)",
                     [SCHEMA_VERSION, str(uuid.uuid4())],
                 )
-            _check_version(con, self.db_path)
+            _upgrade(con, self.db_path)
             self.store_uuid = _one(con, "SELECT value FROM meta WHERE key = 'store_uuid'")[0]
         drop_world_write(self.db_path)
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
         return _connect(self.db_path)
+
+    def check_inputs(self, paths: list[str], text_column: str) -> list[str]:
+        """The input files, expanded and checked (readable, has the column) without recording anything."""
+        files = _expand_inputs(paths)
+        with self._connect() as con:
+            for path in files:
+                _row_source_sql(con, path, text_column)
+        return files
 
     def ingest(self, paths: list[str], text_column: str) -> IngestReport:
         """Record every row of the given files; unchanged files are skipped, changed ones replace their rows.
@@ -421,7 +473,9 @@ class StoreDB:
                 read += 1
                 total += n
                 new += n
-        return IngestReport(sources_read=read, sources_skipped=skipped, rows_total=total, rows_new=new)
+        return IngestReport(
+            sources_read=read, sources_skipped=skipped, rows_total=total, rows_new=new, sources=files
+        )
 
     @staticmethod
     def _replace_rows(
@@ -529,7 +583,10 @@ class StoreDB:
             raise StoreError(f"unknown extraction {extraction_id}")
         return found
 
-    def plan(self, extraction_id: str, layers: list[int], rules_id: str, batch_size: int) -> list[WorkBatch]:
+    def plan(
+        self, extraction_id: str, layers: list[int], rules_id: str, batch_size: int,
+        sources: list[str] | None = None,
+    ) -> list[WorkBatch]:
         """Batches of prompts lacking some requested layer, grouped by the set of layers they lack.
 
         Batch ids hash the extraction, the layers and the prompt list, so planning the same work twice
@@ -538,7 +595,7 @@ class StoreDB:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         layers = _sorted_layers(layers)
-        params = {"rules": rules_id, "eid": extraction_id, "layers": layers}
+        params = {"rules": rules_id, "eid": extraction_id, "layers": layers, "sources": _scope(sources)}
         with self._connect() as con:
             if self._extraction_rules(con, extraction_id)[0] != rules_id:
                 raise StoreError(f"extraction {extraction_id} was registered with other normalisation rules")
@@ -678,11 +735,14 @@ class StoreDB:
                 "INSERT OR REPLACE INTO quarantined VALUES (?, ?, ?, now())", [batch_id, extraction_id, error]
             )
 
-    def ledger_counts(self, rules_id: str, extraction_id: str | None, layers: list[int]) -> dict:
+    def ledger_counts(
+        self, rules_id: str, extraction_id: str | None, layers: list[int], sources: list[str] | None = None
+    ) -> dict:
         """Rows per status, plus rows per reason (rejections, quarantine errors, notes): {"rows", "embedded",
         "duplicate", "rejected", "pending", "quarantined", "reasons": {reason: n}}. The statuses add up to
-        "rows"."""
-        params = {"rules": rules_id, "eid": extraction_id, "layers": _sorted_layers(layers)}
+        "rows". `sources` limits it to those input files."""
+        params = {"rules": rules_id, "eid": extraction_id, "layers": _sorted_layers(layers),
+                  "sources": _scope(sources)}
         with self._connect() as con:
             found = con.execute(
                 f"SELECT status, reason, count(*) FROM ({_LEDGER_SQL}) GROUP BY ALL", params
@@ -727,7 +787,7 @@ class Store:
         if not self.db_path.is_file():
             raise StoreError(f"{self.root}: not a layertap store (no {DB_NAME})")
         with self._connect() as con:
-            _check_version(con, self.db_path)
+            self.schema_version = _check_version(con, self.db_path, readable=UPGRADABLE_VERSIONS)
             self.store_uuid = _one(con, "SELECT value FROM meta WHERE key = 'store_uuid'")[0]
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
@@ -778,6 +838,15 @@ class Store:
         with self._connect() as con:
             return self._pick(con, model, pooling, dtype, rules_id)[3]
 
+    def resolve_layer(
+        self, layer: int, *, model: str | None = None, pooling: str | None = None, dtype: str | None = None,
+        rules_id: str | None = None,
+    ) -> int:
+        """The 0..N index of `layer` (negative counts from the end) in the chosen extraction's model."""
+        with self._connect() as con:
+            num_layers = self._pick(con, model, pooling, dtype, rules_id)[1]
+        return layer + num_layers + 1 if layer < 0 else layer
+
     def embeddings(
         self, layer: int, *, model: str | None = None, pooling: str | None = None, dtype: str | None = None,
         rules_id: str | None = None,
@@ -818,5 +887,5 @@ class Store:
             layers = _sorted_layers(layers or published or range(num_layers + 1))
             return con.sql(
                 f"{_LEDGER_SQL} ORDER BY j.source, j.row_number",
-                params={"rules": rules_id, "eid": eid, "layers": layers},
+                params={"rules": rules_id, "eid": eid, "layers": layers, "sources": None},
             ).to_arrow_table()

@@ -98,4 +98,6 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         "rejected": rejected,
         "truncated": truncated,
         "problem": problem,
+        "num_tokens": result.num_tokens,
+        "seconds": round(seconds, 4),
     }

@@ -10,12 +10,14 @@ from layertap.store import StoreDB
 
 
 @task(name="validate-store", cache_policy=NO_CACHE, result_serializer="json")
-def validate_store(store: str, rules_id: str, extraction_id: str, layers: list[int]) -> dict:
+def validate_store(
+    store: str, rules_id: str, extraction_id: str, layers: list[int], sources: list[str] | None = None
+) -> dict:
     """One result per planned prompt and layer (but those of quarantined batches), and a ledger that accounts
-    for every input row."""
+    for every input row (of `sources`, or of the whole store if None)."""
     db = StoreDB(store)
     db.sweep_staging(min_age_s=0)  # the run holds the store's lock: any unpublished file is a leftover
-    counts = db.ledger_counts(rules_id, extraction_id, list(layers))
+    counts = db.ledger_counts(rules_id, extraction_id, list(layers), sources)
     if counts["pending"]:
         raise CheckFailed(
             f"check 'store complete': {counts['pending']} rows still lack a result for some of layers "

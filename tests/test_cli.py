@@ -189,3 +189,74 @@ def test_demo_builds_the_model_and_shows_how_to_query(shared_engine, tiny_model,
     code = "\n".join(line.strip() for line in snippet).replace("print(", "result = (")
     exec(code, namespace)  # the snippet the demo prints really works
     assert namespace["table"].num_rows > 150
+
+
+# --- add, status, export, validate, serve -------------------------------------------------------------
+
+
+def test_every_command_has_help(tmp_path):
+    for command in ("run", "add", "status", "export", "validate", "serve", "demo"):
+        out = run_cli(command, "--help", cwd=tmp_path)
+        assert out.returncode == 0 and "usage: layertap " + command in out.stdout, out.stderr
+    assert "rows-added" in run_cli("add", "--help", cwd=tmp_path).stdout
+
+
+def test_add_without_a_server_registers_and_says_how_to_embed(tmp_path):
+    source = write_csv(tmp_path / "in.csv", ["hello"])
+    out = run_cli("add", "--dataset", "d1", "--input", source, "--store", str(tmp_path / "s"), "--json",
+                  env={"PREFECT_API_URL": ""}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["new_files"] == [source]
+    assert "no layertap.dataset.rows-added event sent" in out.stderr and "layertap run --dataset d1" in out.stderr
+    status = run_cli("status", "--store", str(tmp_path / "s"), cwd=tmp_path)
+    assert status.returncode == 0 and "d1" in status.stdout and "(1 not read yet)" in status.stdout
+
+
+def test_add_with_an_unreachable_server_still_registers(tmp_path):
+    source = write_csv(tmp_path / "in.csv", ["hello"])
+    out = run_cli("add", "--dataset", "d1", "--input", source, "--store", str(tmp_path / "s"),
+                  env={"PREFECT_API_URL": "http://127.0.0.1:9/api"}, cwd=tmp_path)
+    assert out.returncode == 0 and "is not reachable" in out.stderr
+
+
+def test_run_dataset_status_export_validate(shared_engine, tiny_model, tmp_path, capsys):
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from layertap import Store
+
+    store = str(tmp_path / "store")
+    source = write_csv(tmp_path / "in.csv", ["alpha", "beta", "alpha", ""])
+    assert main(["add", "--dataset", "greek", "--input", source, "--store", store, "--model", tiny_model,
+                 "--layers", "0,-1", "--no-event"]) == 0
+    capsys.readouterr()
+    assert main(["run", "--dataset", "greek", "--store", store, "--parity-sample", "0", "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert "layertap run (dataset greek): 4 rows (4 new)" in captured.out
+    assert "[##############################] 2/2 prompts, 1/1 batches" in captured.err
+    assert main(["run", "--dataset", "greek", "--store", store, "--layers", "1"]) == 1
+    assert "--layers: set by dataset greek" in capsys.readouterr().err
+
+    assert main(["status", "--store", store]) == 0
+    out = capsys.readouterr().out
+    assert "greek" in out and "2 prompts  layers 0,4" in out
+    assert "completed dataset greek" in out.replace("  ", " ") and "4 new rows, 2 embedded" in out
+
+    assert main(["export", "--store", store, "--layer", "-1", "--format", "npy", "--output", str(tmp_path / "npy")]) == 0
+    vectors = np.load(tmp_path / "npy" / "layer_4.npy")
+    index = (tmp_path / "npy" / "layer_4.csv").read_text().splitlines()
+    expected = Store(store).embeddings(layer=4)
+    assert vectors.shape == (2, 128) and index[0] == "row,prompt_hash,text" and len(index) == 3
+    np.testing.assert_array_equal(vectors[0], np.asarray(expected["embedding"][0].as_py(), np.float32))
+    assert main(["export", "--store", store, "--output", str(tmp_path / "pq")]) == 0
+    assert sorted(p.name for p in (tmp_path / "pq").iterdir()) == ["layer_0.parquet", "layer_4.parquet"]
+    assert pq.read_table(tmp_path / "pq" / "layer_0.parquet").equals(Store(store).embeddings(layer=0))
+
+    capsys.readouterr()
+    assert main(["validate", "--store", store]) == 0
+    assert "1 parts, 4 vectors, all checks passed" in capsys.readouterr().out
+    (part,) = (Path(store) / "parts").rglob("*.parquet")
+    part.write_bytes(b"not parquet")
+    assert main(["validate", "--store", store]) == 1
+    captured = capsys.readouterr()
+    assert "check 'readable'" in captured.out and "1 of 1 parts failed the checks" in captured.err

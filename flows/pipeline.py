@@ -1,0 +1,166 @@
+"""The embedding pipeline every flow runs: ingest -> normalise/dedup -> register extraction -> plan ->
+per batch: extract -> validate -> publish -> validate store, then the run's artifacts.
+
+It runs inside whichever flow calls it, so the tasks, logs and artifacts land on that flow run's page.
+Only work the store lacks is planned, so a rerun over unchanged inputs starts no engine. A run looks only
+at the rows of its own input files, so datasets sharing a store never pull in each other's rows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+from prefect import get_run_logger
+from prefect.runtime import flow_run
+
+from layertap import engine_cache
+from layertap import progress as run_progress
+from layertap.errors import EngineError
+from layertap.preflight import check_run
+from layertap.registry import Registry
+from layertap.settings import Settings
+from layertap.store_lock import store_lock
+from layertap.truncation import truncation_length
+from tasks import (
+    extract_batch,
+    ingest,
+    normalise,
+    plan,
+    publish_batch,
+    quarantine_batch,
+    register_extraction,
+    validate_batch,
+    validate_store,
+)
+from tasks.artifacts import ProgressArtifact, publish_counts
+
+# A run whose first batches all fail has a broken engine or model, not bad batches: stop instead of
+# quarantining everything.
+MAX_FAILURES_BEFORE_SUCCESS = 3
+
+
+def resolve_model(settings: Settings) -> str:
+    """The model folder to use; without one, the embedded tiny demo model (built once, then reused)."""
+    if settings.model:
+        return str(Path(settings.model).expanduser().resolve())
+    from layertap.tiny_model import build_tiny_model
+
+    return build_tiny_model(settings.demo_model_dir())
+
+
+def _extracted(future, store: str, store_uuid: str, batch: dict, settings: Settings) -> dict:
+    """A batch's part, reusing a cached part only while its file is still where the cache says."""
+    part = future.result()
+    if part["relpath"] is not None and not (Path(store) / part["relpath"]).is_file():
+        part = extract_batch.with_options(refresh_cache=True)(store, store_uuid, batch, settings)
+    return part
+
+
+def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
+    """Embed the rows of `settings.input`; returns the run summary (also recorded in the store)."""
+    started = time.perf_counter()
+    logger = get_run_logger()
+    check_run(settings)  # nothing is written before inputs, model, layers and store check out
+    store_dir = str(settings.store_path())
+    if not settings.model:
+        logger.info("no model given: using the tiny demo model in %s", settings.demo_model_dir())
+    settings = settings.model_copy(update={"model": resolve_model(settings), "store": store_dir})
+    with store_lock(store_dir, settings.lock_timeout):  # one writing run per store; readers never wait on it
+        return _run_locked(settings, store_dir, dataset, started, logger)
+
+
+def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started: float, logger) -> dict:
+    history = Registry(store_dir)
+    run_id = history.start_run(dataset, str(flow_run.get_id() or "") or None)
+
+    try:
+        ingested = ingest(store_dir, settings.input, settings.text_column)
+        sources = ingested["sources"]
+        normalised = normalise(store_dir, settings.remove_period)
+        key = register_extraction(
+            store_dir, settings.model, settings.pooling, settings.dtype, settings.remove_period,
+            settings.layer_spec(),
+            truncate_to=truncation_length(settings.model, settings.truncate, settings.max_model_len),
+        )
+        eid, layer_list = key["extraction_id"], key["layers"]
+        batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size, sources)
+        planned = sum(b["num_prompts"] for b in batches)
+
+        embedded = refused = tokens = succeeded = done = 0
+        extract_seconds = 0.0
+        quarantined = []
+        watch = ProgressArtifact(dataset, planned, len(batches))
+        elapsed = run_progress.stopwatch()
+        # Up to `batches_in_flight` extractions run at once: the engine stays busy on the next batches
+        # while the previous one is written, validated and published (publishing stays in batch order).
+        in_flight: deque = deque()
+        with run_progress.listen(watch):
+            for batch in [*batches, None]:
+                if batch is not None:
+                    in_flight.append((batch, extract_batch.submit(store_dir, key["store_uuid"], batch, settings)))
+                while in_flight and (batch is None or len(in_flight) > settings.batches_in_flight):
+                    done_batch, future = in_flight.popleft()
+                    done += done_batch["num_prompts"]
+                    try:
+                        part = _extracted(future, store_dir, key["store_uuid"], done_batch, settings)
+                    except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
+                        error = " ".join(f"{type(exc).__name__}: {exc}".split())
+                        quarantined.append(quarantine_batch(store_dir, done_batch, error))
+                        if not succeeded and len(quarantined) >= MAX_FAILURES_BEFORE_SUCCESS:
+                            raise EngineError(
+                                f"the first {len(quarantined)} batches all failed; last error: {error}"
+                            ) from None
+                        continue
+                    validate_batch(store_dir, part, key["hidden_size"], settings, parity=succeeded == 0)
+                    published = publish_batch(store_dir, part)
+                    succeeded += 1
+                    embedded += published["published"]
+                    refused += published["rejected"]
+                    tokens += part.get("num_tokens", 0)
+                    extract_seconds += part.get("seconds", 0.0)
+                    finished = len(quarantined) + succeeded
+                    run_progress.report(run_progress.Progress(finished, len(batches), done, planned, elapsed()))
+        ledger = validate_store(store_dir, key["rules_id"], eid, layer_list, sources)
+        if not batches:
+            logger.info("nothing to extract: %d prompts already embedded", ledger["embedded"])
+    except BaseException as exc:
+        history.finish_run(run_id, "failed", time.perf_counter() - started, {"error": str(exc)[:500]})
+        raise
+    finally:
+        engine_cache.close_runners()
+
+    rejected = dict(normalised.get("rejected") or {})
+    summary = {
+        "dataset": dataset,
+        "rows": ingested["rows_total"],
+        "new_rows": ingested["rows_new"],
+        "new_prompts": normalised["new_prompts"],
+        "duplicates": normalised["duplicates"],
+        "rejected": sum(rejected.values()),
+        "refused": refused,
+        "planned": planned,
+        "batches": len(batches),
+        "embedded": embedded,
+        "skipped": ledger["embedded"] - embedded,
+        "tokens": tokens,
+        "extract_seconds": round(extract_seconds, 3),
+        "layers": layer_list,
+        "dimension": key["hidden_size"],
+        "store": store_dir,
+        "model": settings.model,
+        "extraction_id": eid,
+        "ledger": ledger,
+        "quarantined": quarantined,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    publish_counts(summary)
+    history.finish_run(run_id, "completed", summary["seconds"], summary)
+    logger.info(
+        "embed done: %d rows, %d new prompts, %d duplicates, %d rejected, %d planned, %d embedded, "
+        "%d skipped as already embedded, %d refused by the engine, layers %s, dimension %d, extraction %s, %.1fs",
+        summary["rows"], summary["new_prompts"], summary["duplicates"], summary["rejected"], planned, embedded,
+        summary["skipped"], refused, ",".join(map(str, layer_list)), summary["dimension"], eid, summary["seconds"],
+    )
+    return summary

@@ -1,0 +1,75 @@
+"""What a run tells people: the counts table and the markdown summary shown on its page in the UI.
+
+Built from the run summary only (plain data in, plain data out), so the CLI, the flows and the tests all
+see the same numbers.
+"""
+
+from __future__ import annotations
+
+
+def counts_table(summary: dict) -> list[dict]:
+    """One row per count; every input row lands in exactly one of embedded, duplicate and rejected."""
+    ledger = summary.get("ledger") or {}
+    rows = [
+        ("input rows", summary["rows"], "rows of the input files (in this run's scope)"),
+        ("new rows", summary["new_rows"], "rows not seen by an earlier run"),
+        ("new prompts", summary["new_prompts"], "distinct normalised texts not seen before"),
+        ("skipped by cache", summary["skipped"], "prompts already in the store with every requested layer"),
+        ("duplicates", ledger.get("duplicate", summary["duplicates"]), "rows whose prompt another row carries"),
+    ]
+    reasons = dict(ledger.get("reasons") or {})
+    rows.append(("rejected", ledger.get("rejected", summary["rejected"]), "rows with no vector, by reason below"))
+    for reason, n in sorted(reasons.items()):
+        rows.append((f"rejected: {reason}", n, ""))
+    rows += [
+        ("embedded", summary["embedded"], "prompts extracted and published by this run"),
+        ("embedded in store", ledger.get("embedded", 0), "rows in scope whose prompt has every layer"),
+        ("layers", len(summary["layers"]), ",".join(map(str, summary["layers"]))),
+        ("dimension", summary["dimension"], "values per vector"),
+    ]
+    return [{"count": name, "value": value, "meaning": meaning} for name, value, meaning in rows]
+
+
+def throughput(summary: dict) -> tuple[float, float]:
+    """(prompts/s, tokens/s) over the time the engine spent extracting; 0 when nothing was extracted."""
+    seconds = summary.get("extract_seconds") or 0.0
+    if seconds <= 0:
+        return 0.0, 0.0
+    return summary["embedded"] / seconds, summary.get("tokens", 0) / seconds
+
+
+def markdown_summary(summary: dict) -> str:
+    prompts_s, tokens_s = throughput(summary)
+    scope = f"dataset `{summary['dataset']}`" if summary.get("dataset") else "the given inputs"
+    ledger = summary.get("ledger") or {}
+    lines = [
+        f"# layertap: {summary['embedded']} prompts embedded for {scope}",
+        "",
+        f"- **Rows**: {summary['rows']} input rows ({summary['new_rows']} new): "
+        f"{ledger.get('embedded', 0)} embedded, {ledger.get('duplicate', 0)} duplicates, "
+        f"{ledger.get('rejected', 0)} rejected, {ledger.get('pending', 0)} pending",
+        f"- **Work**: {summary['planned']} prompts planned in {summary['batches']} batches, "
+        f"{summary['skipped']} skipped (already embedded)",
+    ]
+    if summary["embedded"]:
+        lines.append(
+            f"- **Throughput**: {prompts_s:,.1f} prompts/s, {tokens_s:,.0f} tokens/s "
+            f"({summary['extract_seconds']:.2f} s extracting, {summary['seconds']:.1f} s in all)"
+        )
+    else:
+        lines.append(f"- **Throughput**: nothing to extract ({summary['seconds']:.1f} s in all)")
+    lines += [
+        f"- **Layers**: {','.join(map(str, summary['layers']))}, dimension {summary['dimension']}",
+        f"- **Model**: `{summary['model']}`",
+        f"- **Results**: store `{summary['store']}`, extraction `{summary['extraction_id']}`",
+        "",
+        "Read them:",
+        "",
+        "```python",
+        "from layertap import Store",
+        f"table = Store({summary['store']!r}).embeddings(layer={summary['layers'][-1]})",
+        "```",
+        "",
+        f"or `layertap export --store {summary['store']} --layer {summary['layers'][-1]} --format npy --output DIR`.",
+    ]
+    return "\n".join(lines)
