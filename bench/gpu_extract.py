@@ -30,6 +30,8 @@ WORKLOADS = {"short": (4096, 18), "medium": (2000, 240), "short100k": (100_000, 
 # (their cost is linear in prompts; the full set would take minutes or hundreds of GB of /dev/shm).
 SUBSET = {"hf_loop": {"short": 256, "medium": 128}, "vllm_extract_hidden_states": {"short": 1024, "medium": 200}}
 MODES = ["hf_loop", "hf_batched", "vllm_plain", "layertap", "layertap_runner", "vllm_extract_hidden_states"]
+# Not in the default set: where the runner's ceiling lies (vLLM's pooling runner, eager, its own pooler).
+DIAGNOSTIC_MODES = ["vllm_pooling_eager"]
 BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "1024"))
 IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "3"))
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
@@ -199,6 +201,21 @@ def run_layertap_runner(model_dir: str, prompts: list[str]) -> dict:
     assert done == len(prompts)
     return {"seconds": seconds, "startup_s": startup, "capture_buffer_bytes": runner.capture_buffer_bytes,
             "step_tokens": runner.step_tokens, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT}
+
+
+def run_vllm_pooling_eager(model_dir: str, prompts: list[str]) -> dict:
+    """vLLM's pooling runner in eager mode with its own last-token pooler: what the hooked runner rides on,
+    capturing one layer and nothing else."""
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, runner="pooling", convert="embed", dtype="bfloat16", load_format="dummy",
+              enforce_eager=True)
+    startup = time.perf_counter() - t0
+    llm.encode(prompts[:64], pooling_task="embed", use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    llm.encode(prompts, pooling_task="embed", use_tqdm=False)
+    return {"seconds": time.perf_counter() - start, "startup_s": startup}
 
 
 def run_vllm_extract_hidden_states(model_dir: str, prompts: list[str]) -> dict:
