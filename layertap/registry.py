@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from layertap.errors import InputError, StoreError
-from layertap.store import DB_NAME, StoreDB, _connect, _one
+from layertap.store import DB_NAME, StoreDB, _connect, _one, check_inputs
 
 # Safe in a Prefect resource id, a file name and a shell without quoting.
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -83,7 +83,7 @@ class Registry:
             if clashes:
                 listed = ", ".join(f"{k}={known.options.get(k)!r} (given {options[k]!r})" for k in clashes)
                 raise InputError(f"dataset {name} was created with {listed}; use a new dataset name to change them")
-        checked = self.db.check_inputs(list(files), text_column)
+        checked = check_inputs(list(files), text_column)
         new_files = [f for f in checked if known is None or f not in known.sources]
         with self.db._connect() as con:
             con.begin()

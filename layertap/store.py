@@ -435,14 +435,6 @@ class StoreDB:
     def _connect(self) -> duckdb.DuckDBPyConnection:
         return _connect(self.db_path)
 
-    def check_inputs(self, paths: list[str], text_column: str) -> list[str]:
-        """The input files, expanded and checked (readable, has the column) without recording anything."""
-        files = _expand_inputs(paths)
-        with self._connect() as con:
-            for path in files:
-                _row_source_sql(con, path, text_column)
-        return files
-
     def ingest(self, paths: list[str], text_column: str) -> IngestReport:
         """Record every row of the given files; unchanged files are skipped, changed ones replace their rows.
 
@@ -698,33 +690,24 @@ class StoreDB:
 
     def reject_prompts(self, extraction_id: str, reasons: dict[str, str]) -> int:
         """Record prompts the engine refused (e.g. too long), so plans skip them and the ledger says why."""
-        if not reasons:
-            return 0
-        table = pa.table({"prompt_hash": list(reasons), "reason": list(reasons.values())})
-        with self._connect() as con:
-            con.register("refused", table)
-            return _one(
-                con,
-                """INSERT INTO prompt_rejects
-                SELECT $eid, r.prompt_hash, r.reason FROM refused r
-                WHERE NOT EXISTS (SELECT 1 FROM prompt_rejects x
-                                  WHERE x.extraction_id = $eid AND x.prompt_hash = r.prompt_hash)""",
-                {"eid": extraction_id},
-            )[0]
+        return self._record_once("prompt_rejects", extraction_id, reasons)
 
     def note_prompts(self, extraction_id: str, notes: dict[str, str]) -> int:
         """Attach a note to embedded prompts (e.g. truncated to fit); the ledger shows it as the reason."""
-        if not notes:
+        return self._record_once("prompt_notes", extraction_id, notes)
+
+    def _record_once(self, table: str, extraction_id: str, texts: dict[str, str]) -> int:
+        """Insert (extraction, prompt_hash, text) rows into `table`, keeping a prompt's first text only."""
+        if not texts:
             return 0
-        table = pa.table({"prompt_hash": list(notes), "note": list(notes.values())})
         with self._connect() as con:
-            con.register("noted", table)
+            con.register("incoming", pa.table({"prompt_hash": list(texts), "text": list(texts.values())}))
             return _one(
                 con,
-                """INSERT INTO prompt_notes
-                SELECT $eid, n.prompt_hash, n.note FROM noted n
-                WHERE NOT EXISTS (SELECT 1 FROM prompt_notes x
-                                  WHERE x.extraction_id = $eid AND x.prompt_hash = n.prompt_hash)""",
+                f"""INSERT INTO {table}
+                SELECT $eid, i.prompt_hash, i.text FROM incoming i
+                WHERE NOT EXISTS (SELECT 1 FROM {table} x
+                                  WHERE x.extraction_id = $eid AND x.prompt_hash = i.prompt_hash)""",
                 {"eid": extraction_id},
             )[0]
 
