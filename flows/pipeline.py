@@ -15,7 +15,7 @@ from pathlib import Path
 from prefect import get_run_logger
 from prefect.runtime import flow_run
 
-from layertap import engine_cache
+from layertap import engine_cache, faults
 from layertap import progress as run_progress
 from layertap.errors import EngineError
 from layertap.preflight import check_run
@@ -157,6 +157,7 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
     }
     publish_counts(summary)
     history.finish_run(run_id, "completed", summary["seconds"], summary)
+    faults.hit("run.finished")  # the run recorded as completed, its summary not yet returned
     logger.info(
         "embed done: %d rows, %d new prompts, %d duplicates, %d rejected, %d planned, %d embedded, "
         "%d skipped as already embedded, %d refused by the engine, layers %s, dimension %d, extraction %s, %.1fs",

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from layertap import faults
 from layertap.errors import StoreError
 from layertap.file_modes import create_file, make_dirs
 
@@ -98,6 +99,7 @@ def store_lock(store_dir: str | os.PathLike, timeout: float = 0.0) -> Iterator[N
         with _held_lock:
             _held[key] = [fd, 1]
         try:
+            faults.hit("store-lock.acquired")  # holding the lock, the store not yet touched
             yield
         finally:
             with _held_lock:

@@ -10,6 +10,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.tasks import exponential_backoff
 
+from layertap import faults
 from layertap import validate as checks
 from layertap.engine_cache import discard_if_dead, get_runner
 from layertap.errors import ValidationError
@@ -65,6 +66,7 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         discard_if_dead(settings, runner)
         raise
     seconds = time.perf_counter() - started
+    faults.hit("extract.returned")  # vectors in memory, nothing written yet
     kept = [hashes[i] for i in result.kept]
     rejected = {hashes[i]: reason for i, reason in sorted(result.rejected.items())}
     truncated = {hashes[i]: truncation_note(n, truncate_to) for i, n in sorted(result.truncated.items())}

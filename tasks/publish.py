@@ -8,6 +8,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from layertap import faults
 from layertap import validate as checks
 from layertap.errors import ValidationError as CheckFailed
 from layertap.file_modes import make_dirs
@@ -47,6 +48,7 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
         if part.get("problem"):
             raise CheckFailed(part["problem"])
         done.append("part")
+        faults.hit("validate-batch.checked")  # a whole part in parts/, checked, not yet in the manifest
         truncated = part.get("truncated") or {}  # the reference would see the whole prompt: leave them out
         candidates = [i for i, h in enumerate(stored) if h not in truncated]
         if parity and settings.parity_sample > 0 and candidates:

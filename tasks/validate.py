@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from layertap import faults
 from layertap.errors import ValidationError as CheckFailed
 from layertap.store import StoreDB
 
@@ -18,6 +19,7 @@ def validate_store(
     db = StoreDB(store)
     db.sweep_staging(min_age_s=0)  # the run holds the store's lock: any unpublished file is a leftover
     counts = db.ledger_counts(rules_id, extraction_id, list(layers), sources)
+    faults.hit("validate-store.counted")  # every batch published, the ledger not yet checked
     if counts["pending"]:
         raise CheckFailed(
             f"check 'store complete': {counts['pending']} rows still lack a result for some of layers "

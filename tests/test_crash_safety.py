@@ -1,19 +1,21 @@
 """SIGKILL at twenty points of a 2,000-row run, each kill followed by a rerun; at the end the store holds
 exactly one result per (prompt, layer), no stray files, and a ledger that accounts for every input row.
 
-The killed processes run the library pipeline (`python -m layertap.pipeline`) on the tiny model with the
-real vLLM engine. Kill points are ordered along the run, so each rerun gets further than the last before
-it is killed in turn; those before extraction and those a rerun reaches by resuming a written part cost
-no engine start.
+The killed processes run the Prefect flow as users do, `layertap run` (the embed flow in-process, on
+Prefect's temporary local API), on the tiny model with the real vLLM engine. Each rerun is itself killed at
+the next point, so the run gets further every time; points are ordered along the run, so the first eight
+cost no engine start. Every child gets the same private Prefect home.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import duckdb
@@ -26,26 +28,26 @@ LAYERS = [0, 2, 4]
 
 # (point, n): SIGKILL the n-th time the point is reached in that process.
 KILLS = [
-    ("pipeline.locked", 1),        # holding the lock, nothing written
-    ("ingest.before-commit", 2),   # second input file inside its transaction (the first is committed)
+    ("store-lock.acquired", 1),     # holding the store's lock, nothing written
+    ("ingest.before-commit", 2),    # second input file inside its transaction (the first is committed)
     ("ingest.committed", 1),
     ("normalise.before-commit", 1),
     ("normalise.committed", 1),
     ("register.committed", 1),
     ("plan.before-commit", 1),
     ("plan.committed", 1),
-    ("extract", 1),                # engine started, at the engine boundary of the first batch
-    ("extract.returned", 2),       # first batch published, second computed but not written
-    ("write.row-group", 1),        # a Parquet file without its footer in staging/
+    ("extract", 1),                 # engine started, at the engine boundary of the first batch
+    ("extract.returned", 2),        # a second batch computed, not written
+    ("write.row-group", 1),         # a Parquet file without its footer in staging/
     ("write.before-fsync", 1),
     ("write.before-rename", 1),
-    ("write.renamed", 1),          # a whole part in parts/, not in the manifest
-    ("resume", 1),                 # that part found and checked, not published
-    ("publish.before-commit", 1),  # manifest rows inserted, transaction open
+    ("write.renamed", 1),           # a whole part in parts/, not in the manifest
+    ("validate-batch.checked", 1),  # a part checked, not yet published
+    ("publish.before-commit", 1),   # manifest rows inserted, transaction open
     ("publish.committed", 1),
-    ("sweep", 1),                  # every batch published, leftovers not yet removed
-    ("ledger", 1),
-    ("finish", 1),
+    ("sweep", 2),                   # the end-of-run sweep (the plan's is the first): every batch published
+    ("validate-store.counted", 1),  # leftovers removed, the ledger counted but not checked
+    ("run.finished", 1),            # the run recorded as completed, the summary not yet printed
 ]
 
 
@@ -63,15 +65,30 @@ def write_inputs(folder: Path) -> list[str]:
     return [str(folder / "a.csv"), str(folder / "b.jsonl")]
 
 
-def run_pipeline(inputs, store, model, kill: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LAYERTAP_")}
-    env.update(PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="WARNING", LAYERTAP_INPUT=",".join(inputs),
-               LAYERTAP_STORE=str(store), LAYERTAP_MODEL=model, LAYERTAP_LAYERS=",".join(map(str, LAYERS)),
-               LAYERTAP_BATCH_SIZE="100", LAYERTAP_MAX_MODEL_LEN="256", LAYERTAP_MAX_NUM_BATCHED_TOKENS="2048")
+def run_flow(inputs, store, model, folder: Path, kill: str | None) -> subprocess.CompletedProcess:
+    """`layertap run` in a child process with a session of its own; what is left of that session when the
+    child ends (the temporary Prefect server of a killed flow) is killed too. Output goes to files: a
+    server the killed flow left behind would hold pipes open."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LAYERTAP_", "PREFECT_"))}
+    env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(folder / "prefect"), VLLM_LOGGING_LEVEL="WARNING",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120", PREFECT_SERVER_ANALYTICS_ENABLED="false")
     if kill:
         env["LAYERTAP_FAULTS"] = kill
-    return subprocess.run([sys.executable, "-m", "layertap.pipeline"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    command = [sys.executable, "-m", "layertap.cli", "run", "--input", *inputs, "--store", str(store),
+               "--model", model, "--layers", ",".join(map(str, LAYERS)), "--batch-size", "100",
+               "--max-model-len", "256", "--max-num-batched-tokens", "2048", "--env-file", "", "--json"]
+    with open(folder / "stdout", "w+") as stdout, open(folder / "stderr", "w+") as stderr:
+        child = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+                                 stderr=stderr, start_new_session=True)
+        try:
+            child.wait(timeout=300)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        return subprocess.CompletedProcess(command, child.returncode, stdout.read(), stderr.read())
 
 
 def test_sigkill_at_twenty_points_loses_nothing(tmp_path, tiny_model):
@@ -81,11 +98,15 @@ def test_sigkill_at_twenty_points_loses_nothing(tmp_path, tiny_model):
     assert len({point for point, _ in KILLS}) == 20
     inputs = write_inputs(tmp_path)
     store = tmp_path / "store"
+    took = []
     for point, n in KILLS:
-        out = run_pipeline(inputs, store, tiny_model, f"{point}:kill@{n}")
-        assert out.returncode == -signal.SIGKILL, f"not killed at {point}@{n}: {out.stderr[-2000:]}"
-    final = run_pipeline(inputs, store, tiny_model, None)
+        started = time.monotonic()
+        out = run_flow(inputs, store, tiny_model, tmp_path, f"{point}:kill@{n}")
+        took.append(f"{point}@{n} {time.monotonic() - started:.0f}s")
+        assert out.returncode == -signal.SIGKILL, f"not killed at {point}@{n}: {out.stderr[-3000:]}"
+    final = run_flow(inputs, store, tiny_model, tmp_path, None)
     assert final.returncode == 0, final.stderr[-3000:]
+    print("runs:", ", ".join(took))
 
     # What the store must hold, worked out independently of it.
     rules = NormaliseRules()
