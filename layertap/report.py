@@ -31,7 +31,8 @@ def counts_table(summary: dict) -> list[dict]:
 
 
 def throughput(summary: dict) -> tuple[float, float]:
-    """(prompts/s, tokens/s) over the time the engine spent extracting; 0 when nothing was extracted."""
+    """(prompts/s, tokens/s) over the extraction phase's wall time (extract, write, validate and publish of
+    overlapping batches); 0 when nothing was extracted."""
     seconds = summary.get("extract_seconds") or 0.0
     if seconds <= 0:
         return 0.0, 0.0
@@ -54,7 +55,7 @@ def markdown_summary(summary: dict) -> str:
     if summary["embedded"]:
         lines.append(
             f"- **Throughput**: {prompts_s:,.1f} prompts/s, {tokens_s:,.0f} tokens/s "
-            f"({summary['extract_seconds']:.2f} s extracting, {summary['seconds']:.1f} s in all)"
+            f"({summary['extract_seconds']:.2f} s extracting and publishing, {summary['seconds']:.1f} s in all)"
         )
     else:
         lines.append(f"- **Throughput**: nothing to extract ({summary['seconds']:.1f} s in all)")
