@@ -44,11 +44,15 @@ def _merge(first: Extraction, second: Extraction, offset: int, layers: list[int]
     )
 
 
-def extract_splitting(runner, texts: list[str], layers: list[int], pooling: str, **options) -> Extraction:
+def extract_splitting(
+    runner, texts: list[str], layers: list[int], pooling: str, renew=None, **options
+) -> Extraction:
     """`runner.extract(texts, layers, pooling, **options)`, split in halves on out-of-memory.
 
-    The `extract` fault point sits here, at the engine boundary, so injected engine failures travel the
-    same path as real ones. A single prompt that does not fit re-raises the error.
+    An out-of-memory error inside an engine step takes that engine down; `renew()` then gives the runner
+    the halves use (a fresh engine if the old one no longer answers). The `extract` fault point sits here,
+    at the engine boundary, so injected engine failures travel the same path as real ones. A single prompt
+    that does not fit re-raises the error.
     """
     try:
         faults.hit("extract", texts=texts, engine=runner)
@@ -57,8 +61,10 @@ def extract_splitting(runner, texts: list[str], layers: list[int], pooling: str,
         if not is_out_of_memory(exc) or len(texts) < 2:
             raise
     _free_device_memory()
+    if renew is not None:
+        runner = renew()
     mid = len(texts) // 2
     log.warning("out of memory on %d prompts: retrying as %d + %d", len(texts), mid, len(texts) - mid)
-    first = extract_splitting(runner, texts[:mid], layers, pooling, **options)
-    second = extract_splitting(runner, texts[mid:], layers, pooling, **options)
+    first = extract_splitting(runner, texts[:mid], layers, pooling, renew, **options)
+    second = extract_splitting(runner, texts[mid:], layers, pooling, renew, **options)
     return _merge(first, second, mid, sorted(set(layers)))

@@ -35,6 +35,12 @@ def batch_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def _renewed(settings: Settings):
+    """The process's engine after an out-of-memory error: the same one if it still answers, else a new one."""
+    discard_if_dead(settings, get_runner(settings))
+    return get_runner(settings)
+
+
 @task(
     name="extract-batch",
     retries=2,
@@ -60,7 +66,8 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
     started = time.perf_counter()
     try:
         options = {"truncate_to": truncate_to} if truncate_to else {}
-        result = extract_splitting(runner, texts, layers, settings.pooling, **options)
+        result = extract_splitting(runner, texts, layers, settings.pooling, renew=lambda: _renewed(settings),
+                                   **options)
     except Exception:
         # An engine that failed mid-batch may be dead or wedged: if it fails a probe, the retry gets a fresh one.
         discard_if_dead(settings, runner)

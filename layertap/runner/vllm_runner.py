@@ -237,8 +237,9 @@ class VllmRunner:
             self._failure = exc
             for job in [*active.values(), *waiting]:
                 if not job.future.done():
-                    job.future.set_exception(exc if isinstance(exc, EngineError)
-                                             else EngineError(f"vLLM failed: {exc}"))
+                    # Out-of-memory keeps its type, so callers can split the batch and retry the halves.
+                    keep = isinstance(exc, (EngineError, torch.OutOfMemoryError))
+                    job.future.set_exception(exc if keep else EngineError(f"vLLM failed: {exc}"))
             while True:
                 try:
                     job = self._inbox.get_nowait()

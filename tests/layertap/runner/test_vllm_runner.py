@@ -135,3 +135,34 @@ def test_a_failed_engine_fails_every_waiting_call_with_a_clear_error(model_dirs)
             runner.extract(["again"], [1], "last")
     finally:
         runner.close()
+
+
+def test_out_of_memory_inside_an_engine_step_splits_the_call_onto_a_fresh_engine(model_dirs, references):
+    """The device running out of memory mid-step takes the engine down; the halves run on a new one."""
+    import torch
+
+    from layertap.runner.vllm_runner import EngineOptions, VllmRunner
+    from layertap.split_on_oom import extract_splitting
+
+    options = EngineOptions(model=model_dirs["llama"], kv_cache_memory_bytes=64 * 2**20)
+    started = [VllmRunner(options)]
+    try:
+        started[0].extract(["warm"], [1], "last")
+
+        def out_of_memory():
+            raise torch.OutOfMemoryError("out of memory (injected at the engine boundary)")
+
+        started[0].llm.llm_engine.step = out_of_memory
+
+        def renew():
+            if not started[-1].healthy():
+                started.append(VllmRunner(options))
+            return started[-1]
+
+        prompts = varied_prompts(6, seed=5)
+        ours = extract_splitting(started[0], prompts, [1, 2], "last", renew=renew)
+        assert len(started) == 2 and sorted(ours.kept) == list(range(len(prompts)))
+        assert_parity(ours, references("llama").extract(prompts, [1, 2], "last"), [1, 2])
+    finally:
+        for runner in started:
+            runner.close()
