@@ -108,5 +108,4 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         "truncated": truncated,
         "problem": problem,
         "num_tokens": result.num_tokens,
-        "seconds": round(seconds, 4),
     }

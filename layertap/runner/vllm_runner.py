@@ -151,7 +151,7 @@ class VllmRunner:
             raise EngineError(f"pooling: expected one of {', '.join(POOLINGS)}, got {pooling!r}")
         layers = tuple(sorted(set(layers)))
         if not texts:
-            return Extraction({layer: np.empty((0, self.hidden_size), np.float32) for layer in layers}, [])
+            return Extraction(self._no_vectors(layers), [])
         if truncate_to is not None and not 0 < truncate_to <= self.max_model_len:
             raise EngineError(f"truncate_to {truncate_to} is outside 1..max_model_len {self.max_model_len}")
         token_ids = self.tokenize(texts)
@@ -167,8 +167,7 @@ class VllmRunner:
                 kept.append(i)
         num_tokens = sum(len(token_ids[i]) for i in kept)
         if not kept:
-            empty = {layer: np.empty((0, self.hidden_size), np.float32) for layer in layers}
-            return Extraction(empty, [], rejected, 0, truncated)
+            return Extraction(self._no_vectors(layers), [], rejected, 0, truncated)
         sink = None
         if self._in_process:
             vectors = torch.empty((len(layers), len(kept), self.hidden_size), dtype=torch.float32,
@@ -197,6 +196,9 @@ class VllmRunner:
         if self.llm is None:
             raise EngineError("the engine is closed")
         self._inbox.put(job)
+
+    def _no_vectors(self, layers: tuple[int, ...]) -> dict[int, np.ndarray]:
+        return {layer: np.empty((0, self.hidden_size), np.float32) for layer in layers}
 
     def _by_layer(self, stacked: np.ndarray, layers: tuple[int, ...]) -> dict[int, np.ndarray]:
         if stacked.shape[0] != len(layers) or stacked.shape[2] != self.hidden_size:
