@@ -139,6 +139,41 @@ class RssSampler:
         self._thread.join()
 
 
+class PhaseTimes:
+    """Time spent inside the extract task's three phases (summed over batches, which overlap): the engine,
+    the in-memory value checks, and the Parquet write. Says which one bounds the flow."""
+
+    def __enter__(self):
+        import threading
+
+        import tasks.extract as extract_task
+
+        self.seconds = {"engine": 0.0, "check_values": 0.0, "write_part": 0.0}
+        self._lock, self._module = threading.Lock(), extract_task
+        self._originals = {"extract_splitting": extract_task.extract_splitting,
+                           "write_part": extract_task.write_part}
+        self._check = extract_task.checks.check_vectors
+        extract_task.extract_splitting = self._timed("engine", extract_task.extract_splitting)
+        extract_task.write_part = self._timed("write_part", extract_task.write_part)
+        extract_task.checks.check_vectors = self._timed("check_values", self._check)
+        return self
+
+    def _timed(self, phase, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.seconds[phase] += time.perf_counter() - start
+        return timed
+
+    def __exit__(self, *exc):
+        for name, fn in self._originals.items():
+            setattr(self._module, name, fn)
+        self._module.checks.check_vectors = self._check
+
+
 def run_layertap(model_dir: str, prompts: list[str]) -> dict:
     """End to end through the `embed` flow: ingest, normalise, plan, extract, write Parquet, validate,
     publish, then read the last layer back through `Store`. The engine is started (and timed) by a
@@ -164,9 +199,10 @@ def run_layertap(model_dir: str, prompts: list[str]) -> dict:
         embed_flow(input=[str(warm)], store=str(work / "warm-store"), **common)
         startup = time.perf_counter() - t0
         rss_before = _rss_gib()
-        with RssSampler() as rss:
+        with RssSampler() as rss, PhaseTimes() as phases:
             start = time.perf_counter()
             summary = embed_flow(input=[str(data)], store=str(work / "store"), **common)
+        with RssSampler() as read_rss:  # reading a whole layer back holds it in memory: sampled apart
             table = Store(work / "store").embeddings(layer=-1)
             seconds = time.perf_counter() - start
         runner = next(iter(engine_cache._runners.values()))
@@ -177,7 +213,10 @@ def run_layertap(model_dir: str, prompts: list[str]) -> dict:
     return {"seconds": seconds, "startup_and_warmup_s": startup, "flow_seconds": summary["seconds"],
             "embedded": summary["embedded"], "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
             "store_bytes": store_bytes, "capture_buffer_bytes": capture,
+            "task_phase_seconds_summed_over_batches": phases.seconds,
+            "host_buffers_allocated": runner._host.allocated,
             "rss_before_run_gib": rss_before, "peak_rss_during_run_gib": rss.peak,
+            "peak_rss_reading_last_layer_back_gib": read_rss.peak,
             "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -294,8 +333,12 @@ def main() -> None:
         "model": {"shape": "Llama-2-7B", **LLAMA2_7B, "dtype": "bfloat16", "weights": "dummy"},
         "layers": "all (33 hidden states)", "pooling": "last",
     }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"gpu-extract-{report['date']}.json"
     for workload in args.workloads.split(","):
         per_mode = {}
+        report[workload] = {"modes": per_mode}
         for mode in args.modes.split(","):
             result_file = root / f"{mode}-{workload}.json"
             started = time.perf_counter()
@@ -308,6 +351,7 @@ def main() -> None:
             per_mode[mode]["wall_s"] = time.perf_counter() - started
             print(f"{workload:6s} {mode:28s} {per_mode[mode].get('prompts_per_s', float('nan')):10.1f} prompts/s "
                   f"({per_mode[mode]['status']})", flush=True)
+            target.write_text(json.dumps(report, indent=1, default=str))  # kept if a later mode runs out of time
         rates = {m: r.get("prompts_per_s") for m, r in per_mode.items()}
         entry = {"prompts_per_s": rates, "modes": per_mode}
         ours = rates.get("layertap")
@@ -316,9 +360,6 @@ def main() -> None:
                           ("vllm_extract_hidden_states", "ratio_vs_vllm_extract_hidden_states")):
             entry[ref] = ours / rates[name] if ours and rates.get(name) else None
         report[workload] = entry
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    target = out / f"gpu-extract-{report['date']}.json"
     target.write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps({w: {k: report[w][k] for k in report[w] if k != "modes"} for w in args.workloads.split(",")},
                      indent=1))

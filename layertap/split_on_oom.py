@@ -35,6 +35,8 @@ def _merge(first: Extraction, second: Extraction, offset: int, layers: list[int]
         layer: np.concatenate([np.asarray(first.vectors[layer]), np.asarray(second.vectors[layer])])
         for layer in layers
     }
+    first.release()
+    second.release()
     return Extraction(
         vectors=vectors,
         kept=first.kept + [offset + i for i in second.kept],

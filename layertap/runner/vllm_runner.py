@@ -27,7 +27,16 @@ import torch
 from layertap.errors import EngineError
 from layertap.model_fingerprint import read_model_info
 from layertap.runner.base import POOLINGS, Extraction
-from layertap.runner.vllm_compat import SINK_KEY, CaptureSpec, Sink, capture_pooler, check_vllm, install_capture
+from layertap.runner.host_buffers import HostBuffers
+from layertap.runner.vllm_compat import (
+    SINK_KEY,
+    CaptureSpec,
+    Sink,
+    capture_pooler,
+    check_vllm,
+    install_capture,
+    taps_at_load,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,25 +97,37 @@ class VllmRunner:
         # workers, which across a process boundary would need vLLM's pickle-based serialisation.
         # Tensor-parallel workers still get their own processes from vLLM's executor.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Compiled graphs include layertap's capture op: keep them apart from vLLM's own compile cache.
+        os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(os.path.expanduser("~"), ".cache", "layertap", "vllm"))
         from transformers import AutoTokenizer
         from vllm import LLM
 
         self.tokenizer = AutoTokenizer.from_pretrained(
             options.model, trust_remote_code=options.trust_remote_code
         )
+        # The model is tapped while it loads, so torch.compile traces the capture into its graph; workers
+        # of a tensor-parallel engine live in other processes and are tapped after loading, which only
+        # eager mode honours.
+        eager = options.tensor_parallel_size > 1 if options.enforce_eager is None else options.enforce_eager
         kwargs = dict(
             model=options.model,
             runner="pooling",
             convert="embed",
             dtype=options.dtype,
-            # Hooks run as plain Python in eager mode; prefill-only steps gain little from CUDA graphs.
-            enforce_eager=True if options.enforce_eager is None else options.enforce_eager,
+            enforce_eager=eager,
             tensor_parallel_size=options.tensor_parallel_size,
             trust_remote_code=options.trust_remote_code,
             gpu_memory_utilization=options.gpu_memory_utilization or (0.3 if on_cpu else 0.9),
             seed=options.seed,
             enable_prefix_caching=True,
         )
+        if not eager:
+            # The capture op reads each step's request boundaries in Python, which a replayed CUDA graph
+            # would skip; prefill steps are thousands of tokens, beyond vLLM's CUDA-graph sizes anyway.
+            kwargs["compilation_config"] = {"cudagraph_mode": "NONE"}
+        if not on_cpu and options.tensor_parallel_size == 1:
+            # Schedule step n+1 while step n runs (vLLM leaves this off for pooling models by default).
+            kwargs["async_scheduling"] = True
         if on_cpu and options.kv_cache_memory_bytes is None and options.gpu_memory_utilization is None:
             # The CPU worker sizes its KV cache from memory the process has not used yet, which leaves
             # nothing for a second engine in the same process; a fixed size does not depend on that.
@@ -115,9 +136,11 @@ class VllmRunner:
                      "kv_cache_memory_bytes"):
             if getattr(options, name) is not None:
                 kwargs[name] = getattr(options, name)
+        self.compiled = not eager
         log.info("starting vLLM %s on %s", self.vllm_version, options.model)
         try:
-            self.llm = LLM(**kwargs)
+            with taps_at_load():
+                self.llm = LLM(**kwargs)
         except Exception as exc:
             raise EngineError(f"vLLM could not start on {options.model}: {exc}") from exc
         config = self.llm.llm_engine.vllm_config
@@ -129,6 +152,7 @@ class VllmRunner:
         # With one worker in this process, vectors go straight into host buffers of our own; across
         # tensor-parallel processes they travel in vLLM's outputs.
         self._in_process = options.tensor_parallel_size == 1
+        self._host = HostBuffers(pinned=not on_cpu)
         self._ids = itertools.count()
         self._inbox: queue.Queue[_Job | None] = queue.Queue()
         self._failure: BaseException | None = None
@@ -168,15 +192,19 @@ class VllmRunner:
         num_tokens = sum(len(token_ids[i]) for i in kept)
         if not kept:
             return Extraction(self._no_vectors(layers), [], rejected, 0, truncated)
-        sink = None
+        sink = buffer = None
         if self._in_process:
-            vectors = torch.empty((len(layers), len(kept), self.hidden_size), dtype=torch.float32,
-                                  pin_memory=torch.cuda.is_available())
+            vectors, buffer = self._host.take((len(layers), len(kept), self.hidden_size))
             sink = Sink(vectors)
         job = _Job(key=f"j{next(self._ids)}", capture=(layers, pooling),
                    token_ids=[token_ids[i] for i in kept], sink=sink)
-        self._submit(job)
-        job.future.result()
+        try:
+            self._submit(job)
+            job.future.result()
+        except BaseException:
+            if buffer is not None and job.future.done():  # nothing is copying into it any more
+                self._host.give_back(buffer)
+            raise
         if sink is None:
             stacked = torch.stack(job.vectors, dim=1).float().numpy()
             return Extraction(self._by_layer(stacked, layers), kept, rejected, num_tokens, truncated)
@@ -188,7 +216,8 @@ class VllmRunner:
         for position, slot in enumerate(job.slots):
             order[slot] = kept[position]
         sink.wait()  # the asynchronous copies into the host buffer
-        return Extraction(self._by_layer(sink.vectors.numpy(), layers), order, rejected, num_tokens, truncated)
+        return Extraction(self._by_layer(sink.vectors.numpy(), layers), order, rejected, num_tokens, truncated,
+                          release_fn=functools.partial(self._host.give_back, buffer))
 
     def _submit(self, job: _Job) -> None:
         if self._failure is not None:
@@ -323,6 +352,7 @@ class VllmRunner:
         self._inbox.put(None)
         self._thread.join()
         self.llm = None
+        self._host.clear()
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception:  # pragma: no cover - best effort on teardown

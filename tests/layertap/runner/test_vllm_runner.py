@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from runner_fixtures import MAX_ABS_ERROR, MIN_COSINE, STEP_TOKENS, varied_prompts
+from runner_fixtures import DTYPE, MAX_ABS_ERROR, MIN_COSINE, STEP_TOKENS, varied_prompts
 
 from layertap.errors import EngineError
 from layertap.runner import vllm_compat
@@ -117,6 +117,28 @@ def test_concurrent_callers_share_the_engine_and_get_their_own_rows(engines, ref
         assert_parity(ours, references("llama").extract(prompts, layers, pooling), layers)
 
 
+def test_host_buffers_are_reused_once_handed_back(engines):
+    """Each batch's vectors land in a host buffer that is reused after the caller releases it."""
+    runner = engines("llama")
+    layers = [1, runner.num_layers]
+    first = runner.extract(varied_prompts(30, seed=30), layers, "last")
+    allocated = runner._host.allocated
+    kept_copy = {layer: first.vectors[layer].copy() for layer in layers}
+    first.release()
+    assert first.vectors == {}
+    second = runner.extract(varied_prompts(20, seed=31), layers, "last")  # smaller: fits the released one
+    assert runner._host.allocated == allocated
+    third = runner.extract(varied_prompts(10, seed=32), layers, "last")  # second still held: a new buffer
+    assert runner._host.allocated == allocated + 1
+    assert not np.shares_memory(second.vectors[layers[0]], third.vectors[layers[0]])
+    assert all(np.isfinite(kept_copy[layer]).all() for layer in layers)
+    second.release()
+    third.release()
+
+
+# Tests below start and close engines of their own; they come last because closing an in-process engine
+# shuts down vLLM's process-wide parallel state, which the shared engines above also use.
+
 def test_a_failed_engine_fails_every_waiting_call_with_a_clear_error(model_dirs):
     """An error inside an engine step reaches every caller instead of leaving them waiting."""
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
@@ -166,3 +188,40 @@ def test_out_of_memory_inside_an_engine_step_splits_the_call_onto_a_fresh_engine
     finally:
         for runner in started:
             runner.close()
+
+
+def test_an_eager_engine_is_tapped_after_loading_and_matches_too(model_dirs, references):
+    """enforce_eager=True (how tensor-parallel engines run) hooks the loaded model instead of its graph."""
+    from layertap.runner.vllm_runner import EngineOptions, VllmRunner
+
+    runner = VllmRunner(EngineOptions(model=model_dirs["qwen3"], dtype=DTYPE, enforce_eager=True,
+                                      max_num_batched_tokens=STEP_TOKENS, kv_cache_memory_bytes=64 * 2**20))
+    try:
+        assert not runner.compiled
+        prompts = varied_prompts(40, seed=21)
+        layers = list(range(runner.num_layers + 1))
+        for pooling in ("last", "mean"):
+            assert_parity(runner.extract(prompts, layers, pooling),
+                          references("qwen3").extract(prompts, layers, pooling), layers)
+    finally:
+        runner.close()
+
+
+def test_a_compiled_model_without_the_tap_is_refused(model_dirs, monkeypatch):
+    """Hooks added after torch.compile traced a model never run: such an engine (started outside
+    VllmRunner, or given a compiled graph cached without the tap) is refused instead of returning garbage."""
+    from functools import partial
+
+    from vllm import LLM
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    llm = LLM(model=model_dirs["llama"], runner="pooling", convert="embed", dtype=DTYPE,
+              compilation_config={"cudagraph_mode": "NONE"}, gpu_memory_utilization=0.3,
+              kv_cache_memory_bytes=64 * 2**20)
+    try:
+        spec = vllm_compat.CaptureSpec(layers=(0, 1), num_layers=4, hidden_size=128, pooling="last")
+        with pytest.raises(Exception, match="does not call layertap's capture hooks"):
+            llm.collective_rpc(partial(vllm_compat.install_capture, spec=spec))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
