@@ -19,6 +19,7 @@ import json
 import os
 import random
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -214,10 +215,17 @@ def run_layertap(model_dir: str, prompts: list[str]) -> dict:
             "embedded": summary["embedded"], "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
             "store_bytes": store_bytes, "capture_buffer_bytes": capture,
             "task_phase_seconds_summed_over_batches": phases.seconds,
-            "host_buffers_allocated": runner._host.allocated,
+            "host_buffers_allocated": runner.host_buffers_allocated,
             "rss_before_run_gib": rss_before, "peak_rss_during_run_gib": rss.peak,
             "peak_rss_reading_last_layer_back_gib": read_rss.peak,
             "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def _extract_and_release(runner, prompts: list[str], layers: list[int]) -> int:
+    """One batch, its host buffer handed back for the next one as the flow does once a part is written."""
+    result = runner.extract(prompts, layers, "last")
+    result.release()
+    return len(result.kept)
 
 
 def run_layertap_runner(model_dir: str, prompts: list[str]) -> dict:
@@ -235,11 +243,12 @@ def run_layertap_runner(model_dir: str, prompts: list[str]) -> dict:
     batches = [prompts[i:i + BATCH] for i in range(0, len(prompts), BATCH)]
     start = time.perf_counter()
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
-        done = sum(len(r.kept) for r in pool.map(lambda b: runner.extract(b, layers, "last"), batches))
+        done = sum(pool.map(lambda b: _extract_and_release(runner, b, layers), batches))
     seconds = time.perf_counter() - start
     assert done == len(prompts)
     return {"seconds": seconds, "startup_s": startup, "capture_buffer_bytes": runner.capture_buffer_bytes,
-            "step_tokens": runner.step_tokens, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT}
+            "step_tokens": runner.step_tokens, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
+            "host_buffers_allocated": runner.host_buffers_allocated}
 
 
 def run_vllm_pooling_eager(model_dir: str, prompts: list[str]) -> dict:
@@ -314,6 +323,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--workloads", default="short,medium")
+    parser.add_argument("--mode-timeout", type=float, default=900, help="seconds one mode may run")
     parser.add_argument("--worker", nargs=4, metavar=("MODE", "WORKLOAD", "MODEL_DIR", "OUT"))
     args = parser.parse_args()
     if args.worker:
@@ -342,12 +352,21 @@ def main() -> None:
         for mode in args.modes.split(","):
             result_file = root / f"{mode}-{workload}.json"
             started = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--worker", mode, workload, model_dir, str(result_file)],
-                                  capture_output=True, text=True)
+            # Its own process group, so a mode that runs out of time takes its engine processes with it
+            # (an engine left behind would hold the GPU's memory and fail every later mode).
+            proc = subprocess.Popen([sys.executable, __file__, "--worker", mode, workload, model_dir, str(result_file)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            try:
+                _, stderr = proc.communicate(timeout=args.mode_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                _, stderr = proc.communicate()
             if result_file.exists():
                 per_mode[mode] = json.loads(result_file.read_text())
+            elif proc.returncode == -signal.SIGKILL:
+                per_mode[mode] = {"status": "timed out", "limit_s": args.mode_timeout, "stderr": stderr[-3000:]}
             else:
-                per_mode[mode] = {"status": "crashed", "returncode": proc.returncode, "stderr": proc.stderr[-3000:]}
+                per_mode[mode] = {"status": "crashed", "returncode": proc.returncode, "stderr": stderr[-3000:]}
             per_mode[mode]["wall_s"] = time.perf_counter() - started
             print(f"{workload:6s} {mode:28s} {per_mode[mode].get('prompts_per_s', float('nan')):10.1f} prompts/s "
                   f"({per_mode[mode]['status']})", flush=True)

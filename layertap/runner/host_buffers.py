@@ -35,11 +35,9 @@ class HostBuffers:
         need = math.prod(shape)
         with self._lock:
             fitting = [b for b in self._idle if b.numel() >= need]
-            if fitting:
-                buffer = min(fitting, key=torch.Tensor.numel)
-                self._idle.remove(buffer)
-            else:
-                buffer = None
+            buffer = min(fitting, key=torch.Tensor.numel) if fitting else None
+            if buffer is not None:
+                self._forget(buffer)
         if buffer is None:
             buffer = self._allocate(need)
         return buffer[:need].view(shape), buffer
@@ -50,7 +48,11 @@ class HostBuffers:
                 return
             self._idle.append(buffer)
             if len(self._idle) > self.keep:  # drop the smallest: big batches are the ones worth reusing
-                self._idle.remove(min(self._idle, key=torch.Tensor.numel))
+                self._forget(min(self._idle, key=torch.Tensor.numel))
+
+    def _forget(self, buffer: torch.Tensor) -> None:
+        # By identity: `list.remove` would compare tensors element by element.
+        self._idle = [b for b in self._idle if b is not buffer]
 
     def clear(self) -> None:
         with self._lock:

@@ -236,6 +236,17 @@ class LayerTap:
         return sums.index_add_(0, owner, stream.float())
 
 
+def _requests_of(pooled: torch.Tensor, requests: list[int]) -> torch.Tensor:
+    """pooled[:, requests], without a blocking host-to-device copy of the index (which would wait for the
+    whole step): a slice when the requests are consecutive, else an index sent from page-locked memory."""
+    if requests == list(range(requests[0], requests[0] + len(requests))):
+        return pooled[:, requests[0]:requests[0] + len(requests)]
+    index = torch.tensor(requests, dtype=torch.int64)
+    if pooled.is_cuda:
+        index = index.pin_memory().to(pooled.device, non_blocking=True)
+    return pooled.index_select(1, index)
+
+
 class LayerCapturePooler(nn.Module):
     """Pooler that yields, per finished request, its pooled outputs of the captured layers.
 
@@ -294,10 +305,7 @@ class LayerCapturePooler(nn.Module):
             start = sink.used
             if start + len(requests) > sink.vectors.shape[1]:
                 raise EngineError(f"capture sink {key!r} holds {sink.vectors.shape[1]} prompts; more finished")
-            picked = pooled
-            if len(requests) != pooled.shape[1]:
-                picked = pooled.index_select(1, torch.tensor(requests, device=pooled.device))
-            picked = picked.float()
+            picked = _requests_of(pooled, requests).float()
             for layer_rows, target in zip(picked, sink.vectors):  # contiguous per layer: true async copies
                 target[start:start + len(requests)].copy_(layer_rows, non_blocking=on_gpu)
             for offset, r in enumerate(requests):
@@ -306,7 +314,9 @@ class LayerCapturePooler(nn.Module):
             if on_gpu:
                 sink.event = torch.cuda.Event()
                 sink.event.record()
-        return torch.tensor(rows, dtype=torch.int64).unsqueeze(1).to(pooled.device, non_blocking=True)
+        # Rows stay on the host: vLLM copies pooler outputs to the host anyway, and a host-to-device copy
+        # here would make this thread wait for the step to finish instead of scheduling the next one.
+        return torch.tensor(rows, dtype=torch.int64).unsqueeze(1)
 
     def _mean(self, sums: torch.Tensor, cursor, states) -> torch.Tensor:
         """Turn this step's per-request sums into means, carrying partial sums of split prompts."""

@@ -332,6 +332,11 @@ class VllmRunner:
         if self._in_process:  # the pooler object is ours to hand host buffers to
             self._pooler = self.llm.collective_rpc(capture_pooler)[0]
 
+    @property
+    def host_buffers_allocated(self) -> int:
+        """Host buffers created so far: with batches released after writing, it stops growing."""
+        return self._host.allocated
+
     def healthy(self) -> bool:
         """Whether the engine still answers: a one-prompt extraction with the capture already installed."""
         if getattr(self, "llm", None) is None or self._failure is not None:

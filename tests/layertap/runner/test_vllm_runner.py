@@ -122,14 +122,14 @@ def test_host_buffers_are_reused_once_handed_back(engines):
     runner = engines("llama")
     layers = [1, runner.num_layers]
     first = runner.extract(varied_prompts(30, seed=30), layers, "last")
-    allocated = runner._host.allocated
+    allocated = runner.host_buffers_allocated
     kept_copy = {layer: first.vectors[layer].copy() for layer in layers}
     first.release()
     assert first.vectors == {}
     second = runner.extract(varied_prompts(20, seed=31), layers, "last")  # smaller: fits the released one
-    assert runner._host.allocated == allocated
+    assert runner.host_buffers_allocated == allocated
     third = runner.extract(varied_prompts(10, seed=32), layers, "last")  # second still held: a new buffer
-    assert runner._host.allocated == allocated + 1
+    assert runner.host_buffers_allocated == allocated + 1
     assert not np.shares_memory(second.vectors[layers[0]], third.vectors[layers[0]])
     assert all(np.isfinite(kept_copy[layer]).all() for layer in layers)
     second.release()
