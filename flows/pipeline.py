@@ -92,15 +92,14 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
         quarantined = []
         watch = ProgressArtifact(dataset, planned, len(batches))
         elapsed = run_progress.stopwatch()
-        # Up to `batches_in_flight` extractions run at once: the engine stays busy on the next batches
-        # while the previous one is written, validated and published (publishing stays in batch order).
+        # At most `batches_in_flight` extractions run at once (each holds its vectors in host memory until
+        # written): the engine stays busy on the next batches while the oldest one is written, validated
+        # and published (publishing stays in batch order).
         in_flight: deque = deque()
         phase_started = time.perf_counter()
         with run_progress.listen(watch):
             for batch in [*batches, None]:
-                if batch is not None:
-                    in_flight.append((batch, extract_batch.submit(store_dir, key["store_uuid"], batch, settings)))
-                while in_flight and (batch is None or len(in_flight) > settings.batches_in_flight):
+                while in_flight and (batch is None or len(in_flight) >= settings.batches_in_flight):
                     done_batch, future = in_flight.popleft()
                     done += done_batch["num_prompts"]
                     try:
@@ -121,6 +120,8 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
                     tokens += part.get("num_tokens", 0)
                     finished = len(quarantined) + succeeded
                     run_progress.report(run_progress.Progress(finished, len(batches), done, planned, elapsed()))
+                if batch is not None:
+                    in_flight.append((batch, extract_batch.submit(store_dir, key["store_uuid"], batch, settings)))
         # Batches overlap, so the extraction phase is timed on the wall clock, not summed per batch.
         extract_seconds = time.perf_counter() - phase_started if batches else 0.0
         ledger = validate_store(store_dir, key["rules_id"], eid, layer_list, sources)

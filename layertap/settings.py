@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     # Work sizing and checks.
     batch_size: int = Field(1024, ge=1)
     # Batches extracted at once: the engine computes one while the others are written and published.
-    batches_in_flight: int = Field(2, ge=1)
+    batches_in_flight: int = Field(3, ge=1)
     parity_sample: int = Field(8, ge=0)
     # Prompts longer than the model's context are rejected unless the user asks to cut them to fit.
     truncate: bool = False

@@ -217,6 +217,32 @@ def test_batches_follow_batch_size(run, tmp_path, in_flight):
     assert Store(summary["store"]).embeddings(layer=0).num_rows == DISTINCT
 
 
+def test_no_more_batches_than_asked_are_in_flight(run, tmp_path, monkeypatch):
+    """`batches_in_flight` bounds how many batches hold vectors in memory at once."""
+    import threading
+    import time
+
+    import tasks.extract as extract_task
+
+    real, lock, state = extract_task.extract_splitting, threading.Lock(), {"now": 0, "most": 0}
+
+    def counted(*args, **kwargs):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        try:
+            time.sleep(0.3)  # a slow engine: every batch the flow allows overlaps the others
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    monkeypatch.setattr(extract_task, "extract_splitting", counted)
+    summary, _ = run([write_jsonl(tmp_path / "in.jsonl", ROWS)], batch_size=2, batches_in_flight=2)
+    assert summary["embedded"] == DISTINCT
+    assert state["most"] == 2
+
+
 def test_mean_pooling_and_period_rules_are_separate_extractions(run, tmp_path, tiny_model):
     from layertap import Store
     from layertap.runner.hf_runner import HfRunner
