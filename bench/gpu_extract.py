@@ -31,8 +31,8 @@ WORKLOADS = {"short": (4096, 18), "medium": (2000, 240), "short100k": (100_000, 
 # (their cost is linear in prompts; the full set would take minutes or hundreds of GB of /dev/shm).
 SUBSET = {"hf_loop": {"short": 256, "medium": 128}, "vllm_extract_hidden_states": {"short": 1024, "medium": 200}}
 MODES = ["hf_loop", "hf_batched", "vllm_plain", "layertap", "layertap_runner", "vllm_extract_hidden_states"]
-# Not in the default set: where the runner's ceiling lies (vLLM's pooling runner, eager, its own pooler).
-DIAGNOSTIC_MODES = ["vllm_pooling_eager"]
+# Not in the default set: where the runner's ceiling lies (vLLM's pooling runner with its own pooler).
+DIAGNOSTIC_MODES = ["vllm_pooling_eager", "vllm_pooling_compiled", "vllm_pooling_inprocess_async"]
 BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "1024"))
 IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "3"))
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
@@ -251,19 +251,32 @@ def run_layertap_runner(model_dir: str, prompts: list[str]) -> dict:
             "host_buffers_allocated": runner.host_buffers_allocated}
 
 
-def run_vllm_pooling_eager(model_dir: str, prompts: list[str]) -> dict:
-    """vLLM's pooling runner in eager mode with its own last-token pooler: what the hooked runner rides on,
-    capturing one layer and nothing else."""
+def _vllm_pooling(model_dir: str, prompts: list[str], **options) -> dict:
+    """vLLM's pooling runner with its own last-token pooler (one layer, nothing else captured): the base the
+    hooked runner rides on, under the settings given."""
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, runner="pooling", convert="embed", dtype="bfloat16", load_format="dummy",
-              enforce_eager=True)
+    llm = LLM(model=model_dir, runner="pooling", convert="embed", dtype="bfloat16", load_format="dummy", **options)
     startup = time.perf_counter() - t0
     llm.encode(prompts[:64], pooling_task="embed", use_tqdm=False)  # warm-up
     start = time.perf_counter()
     llm.encode(prompts, pooling_task="embed", use_tqdm=False)
-    return {"seconds": time.perf_counter() - start, "startup_s": startup}
+    return {"seconds": time.perf_counter() - start, "startup_s": startup, "options": options}
+
+
+def run_vllm_pooling_eager(model_dir: str, prompts: list[str]) -> dict:
+    return _vllm_pooling(model_dir, prompts, enforce_eager=True)
+
+
+def run_vllm_pooling_compiled(model_dir: str, prompts: list[str]) -> dict:
+    return _vllm_pooling(model_dir, prompts)
+
+
+def run_vllm_pooling_inprocess_async(model_dir: str, prompts: list[str]) -> dict:
+    """As the hooked runner drives it: engine core in this process, asynchronous scheduling, compiled."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return _vllm_pooling(model_dir, prompts, async_scheduling=True)
 
 
 def run_vllm_extract_hidden_states(model_dir: str, prompts: list[str]) -> dict:
