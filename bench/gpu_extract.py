@@ -239,7 +239,8 @@ def run_layertap_runner(model_dir: str, prompts: list[str]) -> dict:
     runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format="dummy"))
     startup = time.perf_counter() - t0
     layers = list(range(runner.num_layers + 1))
-    runner.extract(prompts[:64], layers, "last")  # warm-up
+    runner.extract(prompts[:64], layers, "last").release()  # warm-up
+    runner.reserve_host_buffers(BATCH, len(layers), IN_FLIGHT)  # as the flow's extract task does
     batches = [prompts[i:i + BATCH] for i in range(0, len(prompts), BATCH)]
     start = time.perf_counter()
     with ThreadPoolExecutor(IN_FLIGHT) as pool:

@@ -27,8 +27,18 @@ class HostBuffers:
         self.pinned = pinned
         self.keep = keep
         self._idle: list[torch.Tensor] = []
+        self._live: weakref.WeakSet = weakref.WeakSet()  # every buffer still referenced, idle or not
         self._lock = threading.Lock()
         self.allocated = 0  # buffers created so far, for tests and benchmarks
+
+    def reserve(self, shape: tuple[int, ...], count: int) -> None:
+        """Make sure `count` buffers that hold `shape` exist, allocating the missing ones now: locking pages
+        while the engine runs competes with it for the driver, so callers reserve before work starts."""
+        need = math.prod(shape)
+        with self._lock:
+            self.keep = max(self.keep, count)
+            missing = count - sum(1 for b in self._live if b.numel() >= need)
+            self._idle.extend(self._allocate(need) for _ in range(max(0, missing)))
 
     def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """A [shape] float32 view and the buffer behind it (to `give_back` once the view is no longer read)."""
@@ -61,6 +71,7 @@ class HostBuffers:
     def _allocate(self, numel: int) -> torch.Tensor:
         buffer = torch.empty(max(numel, 1), dtype=torch.float32)
         self.allocated += 1
+        self._live.add(buffer)
         if self.pinned:
             pointer, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
             status = torch.cuda.cudart().cudaHostRegister(pointer, size, 0)

@@ -332,6 +332,11 @@ class VllmRunner:
         if self._in_process:  # the pooler object is ours to hand host buffers to
             self._pooler = self.llm.collective_rpc(capture_pooler)[0]
 
+    def reserve_host_buffers(self, prompts: int, layers: int, count: int) -> None:
+        """Lock host memory for `count` batches of up to `prompts` prompts x `layers` layers before they run."""
+        if self._in_process and self._host.pinned:
+            self._host.reserve((layers, prompts, self.hidden_size), count)
+
     @property
     def host_buffers_allocated(self) -> int:
         """Host buffers created so far: with batches released after writing, it stops growing."""

@@ -40,3 +40,16 @@ def test_views_keep_their_values_until_handed_back():
     pool.give_back(buffer)
     pool.clear()
     assert pool._idle == []
+
+
+def test_reserved_buffers_serve_the_batches_that_follow():
+    """Buffers are locked before the engine starts working; reserving again allocates nothing more."""
+    pool = HostBuffers(pinned=False, keep=1)
+    pool.reserve((2, 8, 4), count=3)
+    assert pool.allocated == 3 and pool.keep == 3
+    taken = [pool.take((2, n, 4))[1] for n in (8, 8, 5)]
+    pool.reserve((2, 8, 4), count=3)  # all three busy, but they exist
+    assert pool.allocated == 3
+    for buffer in taken:
+        pool.give_back(buffer)
+    assert len(pool._idle) == 3  # none dropped: keep grew to the reservation
