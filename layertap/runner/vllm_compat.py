@@ -260,6 +260,7 @@ class LayerCapturePooler(nn.Module):
         self.spec = spec
         self.tap = tap
         self.sinks: dict[str, Sink] = {}
+        self._copies = None  # the device-to-host copy stream, made on first use
 
     # --- vLLM's Pooler interface -------------------------------------------------------------
     def get_supported_tasks(self):
@@ -289,8 +290,9 @@ class LayerCapturePooler(nn.Module):
         """Copy finished requests' vectors into their callers' host buffers; return their rows.
 
         vLLM then carries one integer per request instead of a [layers, hidden] tensor, and each host
-        buffer is already laid out layer by layer for the Parquet writer. The copies are asynchronous
-        (pinned memory) and ordered on the compute stream, so they overlap the next steps' compute.
+        buffer is already laid out layer by layer for the Parquet writer. On a GPU the copies go into
+        page-locked memory on a stream of their own, so they overlap the next step's compute; the sink's
+        event marks when they have landed.
         """
         rows = [-1] * pooled.shape[1]
         by_sink: dict[str, list[int]] = {}
@@ -306,17 +308,30 @@ class LayerCapturePooler(nn.Module):
             if start + len(requests) > sink.vectors.shape[1]:
                 raise EngineError(f"capture sink {key!r} holds {sink.vectors.shape[1]} prompts; more finished")
             picked = _requests_of(pooled, requests).float()
-            for layer_rows, target in zip(picked, sink.vectors):  # contiguous per layer: true async copies
-                target[start:start + len(requests)].copy_(layer_rows, non_blocking=on_gpu)
+            targets = [target[start:start + len(requests)] for target in sink.vectors]
+            if on_gpu:
+                copies = self._copy_stream(pooled.device)
+                copies.wait_stream(torch.cuda.current_stream(pooled.device))
+                with torch.cuda.stream(copies):
+                    for layer_rows, target in zip(picked, targets):  # contiguous per layer: true async copies
+                        target.copy_(layer_rows, non_blocking=True)
+                    sink.event = torch.cuda.Event()
+                    sink.event.record(copies)
+                picked.record_stream(copies)  # not reused by the next step before the copies have run
+            else:
+                for layer_rows, target in zip(picked, targets):
+                    target.copy_(layer_rows)
             for offset, r in enumerate(requests):
                 rows[r] = start + offset
             sink.used = start + len(requests)
-            if on_gpu:
-                sink.event = torch.cuda.Event()
-                sink.event.record()
         # Rows stay on the host: vLLM copies pooler outputs to the host anyway, and a host-to-device copy
         # here would make this thread wait for the step to finish instead of scheduling the next one.
         return torch.tensor(rows, dtype=torch.int64).unsqueeze(1)
+
+    def _copy_stream(self, device: torch.device):
+        if self._copies is None:
+            self._copies = torch.cuda.Stream(device=device)
+        return self._copies
 
     def _mean(self, sums: torch.Tensor, cursor, states) -> torch.Tensor:
         """Turn this step's per-request sums into means, carrying partial sums of split prompts."""
