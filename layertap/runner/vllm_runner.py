@@ -198,13 +198,9 @@ class VllmRunner:
             sink = Sink(vectors)
         job = _Job(key=f"j{next(self._ids)}", capture=(layers, pooling),
                    token_ids=[token_ids[i] for i in kept], sink=sink)
-        try:
-            self._submit(job)
-            job.future.result()
-        except BaseException:
-            if buffer is not None and job.future.done():  # nothing is copying into it any more
-                self._host.give_back(buffer)
-            raise
+        # After a failure the buffer is not handed back: copies into it may still be queued on the device.
+        self._submit(job)
+        job.future.result()
         if sink is None:
             stacked = torch.stack(job.vectors, dim=1).float().numpy()
             return Extraction(self._by_layer(stacked, layers), kept, rejected, num_tokens, truncated)
