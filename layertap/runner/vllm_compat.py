@@ -415,8 +415,6 @@ def install_capture(worker, spec: CaptureSpec) -> int:
         )
     if tap is None:
         tap = model._layertap_tap = LayerTap(model)
-    if not isinstance(previous, LayerCapturePooler):
-        model._layertap_original_pooler = previous
     param = next(model.parameters())
     size = tap.configure(spec, param.dtype, query_start_loc)
     model.pooler = LayerCapturePooler(spec, tap)
