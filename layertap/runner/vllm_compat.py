@@ -183,14 +183,15 @@ class LayerTap:
             hidden, residual = _split_input(args, kwargs)
             torch.ops.layertap.capture_site(hidden, residual, self.token, 0)
 
-        self.handles = [model.register_forward_pre_hook(running),
-                        model.register_forward_hook(finished, always_call=True),
-                        layers[0].register_forward_pre_hook(block_input, with_kwargs=True)]
+        # The hooks stay for the model's lifetime (a compiled graph keeps them anyway): no handles kept.
+        model.register_forward_pre_hook(running)
+        model.register_forward_hook(finished, always_call=True)
+        layers[0].register_forward_pre_hook(block_input, with_kwargs=True)
         for site in range(1, self.num_layers):
             def block_output(module, args, output, site=site):
                 hidden, residual = _split_output(output)
                 torch.ops.layertap.capture_site(hidden, residual, self.token, site)
-            self.handles.append(layers[site - 1].register_forward_hook(block_output))
+            layers[site - 1].register_forward_hook(block_output)
 
     def configure(self, spec: CaptureSpec, dtype: torch.dtype, query_start_loc: torch.Tensor) -> int:
         """Keep `spec.layers`, reduced by `spec.pooling`, in a fresh buffer; returns its size in bytes."""
