@@ -68,6 +68,7 @@ def check_vllm() -> str:
         from vllm.model_executor.layers.pooler import Pooler
         from vllm.model_executor.model_loader.base_loader import BaseModelLoader
         from vllm.pooling_params import PoolingParams
+        from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.pool.metadata import PoolingCursor, PoolingMetadata, PoolingStates
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError as exc:  # pragma: no cover - depends on the installation
@@ -93,6 +94,11 @@ def check_vllm() -> str:
         problems.append("BaseModelLoader.load_model(vllm_config, model_config, prefix)")
     if "query_start_loc" not in inspect.getsource(GPUModelRunner._prepare_inputs):
         problems.append("GPUModelRunner.query_start_loc")
+    adding = inspect.getsource(LLMEngine.add_request)
+    steps = ("input_processor.process_inputs(", "input_processor.assign_request_id(request)",
+             "output_processor.add_request(request, prompt_text, None, 0)", "engine_core.add_request(request)")
+    if not all(step in adding for step in steps):
+        problems.append("LLMEngine.add_request (process_inputs, assign_request_id, output and core add_request)")
     if problems:
         raise EngineError(
             f"vLLM {version} changed internals layertap hooks ({', '.join(problems)}); "
@@ -355,6 +361,26 @@ class LayerCapturePooler(nn.Module):
                 sums[:, r] = torch.stack([s for s, _ in cache]).sum(0) / seen
                 cache.clear()
         return sums
+
+
+# --- adding requests -------------------------------------------------------------------------------
+# `LLMEngine.add_request` in two halves. Building the request (parsing, validation, parameter copies) is
+# most of its cost and touches no engine state, so callers' threads do it while the engine thread waits
+# on the GPU; only the bookkeeping that must not race with `step()` runs in the engine thread.
+
+def prepare_requests(engine, request_ids: list[str], token_ids: list[list[int]], params,
+                     supported_tasks: tuple) -> list:
+    """vLLM's requests for prompts given as token ids; safe to call outside the engine's thread."""
+    process = engine.input_processor.process_inputs
+    return [process(request_id, {"prompt_token_ids": ids}, params, supported_tasks=supported_tasks)
+            for request_id, ids in zip(request_ids, token_ids)]
+
+
+def add_prepared(engine, request) -> None:
+    """The rest of `LLMEngine.add_request` for one prepared request (one output per request)."""
+    engine.input_processor.assign_request_id(request)
+    engine.output_processor.add_request(request, None, None, 0)
+    engine.engine_core.add_request(request)
 
 
 # --- attaching -------------------------------------------------------------------------------------

@@ -32,9 +32,11 @@ from layertap.runner.vllm_compat import (
     SINK_KEY,
     CaptureSpec,
     Sink,
+    add_prepared,
     capture_pooler,
     check_vllm,
     install_capture,
+    prepare_requests,
     taps_at_load,
 )
 
@@ -70,6 +72,7 @@ class _Job:
     capture: tuple[tuple[int, ...], str]
     token_ids: list[list[int]]
     sink: Sink | None
+    requests: list = field(default_factory=list)  # vLLM's requests, built in the caller's thread
     future: Future = field(default_factory=Future)
     slots: list[int | None] = field(default_factory=list)
     vectors: list[torch.Tensor | None] = field(default_factory=list)
@@ -146,6 +149,7 @@ class VllmRunner:
         config = self.llm.llm_engine.vllm_config
         self.max_model_len = config.model_config.max_model_len
         self.step_tokens = config.scheduler_config.max_num_batched_tokens
+        self._tasks = self.llm.llm_engine.get_supported_tasks()  # asked once, here: it calls into the engine
         self.capture_buffer_bytes = 0
         self._capture: tuple[tuple[int, ...], str] | None = None
         self._pooler = None
@@ -192,12 +196,20 @@ class VllmRunner:
         num_tokens = sum(len(token_ids[i]) for i in kept)
         if not kept:
             return Extraction(self._no_vectors(layers), [], rejected, 0, truncated)
+        self._check_usable()
         sink = buffer = None
         if self._in_process:
             vectors, buffer = self._host.take((len(layers), len(kept), self.hidden_size))
             sink = Sink(vectors)
         job = _Job(key=f"j{next(self._ids)}", capture=(layers, pooling),
                    token_ids=[token_ids[i] for i in kept], sink=sink)
+        try:
+            job.requests = prepare_requests(self.llm.llm_engine, [f"{job.key}:{i}" for i in range(len(kept))],
+                                            job.token_ids, self._params(job), self._tasks)
+        except Exception as exc:
+            if buffer is not None:
+                self._host.give_back(buffer)  # nothing was queued on the device yet
+            raise EngineError(f"vLLM refused the batch's prompts: {exc}") from exc
         # After a failure the buffer is not handed back: copies into it may still be queued on the device.
         self._submit(job)
         job.future.result()
@@ -216,11 +228,14 @@ class VllmRunner:
                           release_fn=functools.partial(self._host.give_back, buffer))
 
     def _submit(self, job: _Job) -> None:
+        self._check_usable()
+        self._inbox.put(job)
+
+    def _check_usable(self) -> None:
         if self._failure is not None:
             raise EngineError(f"the engine failed earlier: {self._failure}") from self._failure
         if self.llm is None:
             raise EngineError("the engine is closed")
-        self._inbox.put(job)
 
     def _no_vectors(self, layers: tuple[int, ...]) -> dict[int, np.ndarray]:
         return {layer: np.empty((0, self.hidden_size), np.float32) for layer in layers}
@@ -277,23 +292,25 @@ class VllmRunner:
             if not isinstance(exc, EngineError) or str(exc) != "the engine is closed":
                 log.error("engine thread stopped: %s", exc)
 
-    def _admit(self, job: _Job) -> None:
+    @staticmethod
+    def _params(job: _Job):
         from vllm import PoolingParams
 
+        # Mean pooling needs every prompt token's hidden state, so it must not reuse cached prefixes.
+        return PoolingParams(task="embed", skip_reading_prefix_cache=job.capture[1] == "mean",
+                             extra_kwargs={SINK_KEY: job.key} if job.sink is not None else None)
+
+    def _admit(self, job: _Job) -> None:
         self._ensure_capture(*job.capture)
-        extra = None
         if job.sink is not None:
             self._pooler.sinks[job.key] = job.sink
-            extra = {SINK_KEY: job.key}
-        # Mean pooling needs every prompt token's hidden state, so it must not reuse cached prefixes.
-        params = PoolingParams(task="embed", skip_reading_prefix_cache=job.capture[1] == "mean",
-                               extra_kwargs=extra)
-        job.remaining = len(job.token_ids)
+        job.remaining = len(job.requests)
         job.slots = [None] * job.remaining
         job.vectors = [None] * job.remaining
         engine = self.llm.llm_engine
-        for i, ids in enumerate(job.token_ids):
-            engine.add_request(f"{job.key}:{i}", {"prompt_token_ids": ids}, params)
+        for request in job.requests:
+            add_prepared(engine, request)
+        job.requests = []  # vLLM holds them now
 
     def _deliver(self, output, active: dict[str, _Job]) -> None:
         if not output.finished:
