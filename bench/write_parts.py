@@ -1,0 +1,103 @@
+"""Parquet part writing benchmark: how fast this machine's disk and cores turn batches into store parts.
+
+On short prompts the flow turns out more float32 per second than one writer thread can encode (a 7B
+model's 33 layers are 553 MB per 1024 prompts), so part writing, not the engine, bounds it. This times
+`layertap.writer.write_part` (the flow's own writer: byte-stream split, LZ4, page checksums, fsync,
+rename) with 1, 2, 4 and 8 parts written at once, next to a plain sequential file write of the same
+bytes, into a directory of your choice (the store's disk, or /dev/shm to leave the disk out). Values are
+bfloat16 widened to float32, as the flow stores a bfloat16 engine's output. Writes
+bench/results/write_parts-<date>.json.
+
+    .venv/bin/python bench/write_parts.py [--dir /path/on/the/store/disk] [--prompts 1024] [--no-save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_stages import machine  # noqa: E402
+
+from layertap.writer import write_part  # noqa: E402
+
+LAYERS, HIDDEN = 33, 4096
+
+
+def bf16_vectors(prompts: int, seed: int) -> dict[int, np.ndarray]:
+    """One [prompts, HIDDEN] float32 array per layer, every value exactly a bfloat16 (low 16 bits zero)."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal((prompts, HIDDEN), dtype=np.float32)
+    return {layer: ((base * (layer + 1)).view(np.uint32) & 0xFFFF0000).view(np.float32) for layer in range(LAYERS)}
+
+
+def timed_parts(root: Path, vectors: dict[int, np.ndarray], concurrent: int) -> float:
+    """Seconds to write `concurrent` parts at once, each on its own thread, as batches in flight do."""
+    hashes = [f"{i:064x}" for i in range(next(iter(vectors.values())).shape[0])]
+    store = Path(tempfile.mkdtemp(prefix="parts-", dir=root))
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrent) as pool:
+        list(pool.map(lambda k: write_part(store, "bench", f"part{k}", hashes, vectors, "bfloat16"),
+                      range(concurrent)))
+    seconds = time.perf_counter() - start
+    for path in store.rglob("*.parquet"):
+        path.unlink()
+    return seconds
+
+
+def timed_plain_write(root: Path, vectors: dict[int, np.ndarray]) -> float:
+    """Seconds to write the same bytes as one part, unencoded, with one sequential write and an fsync."""
+    path = root / "plain.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as sink:
+        for array in vectors.values():
+            sink.write(memoryview(array).cast("B"))
+        sink.flush()
+        os.fsync(sink.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where parts are written")
+    parser.add_argument("--prompts", type=int, default=1024, help="prompts per part")
+    parser.add_argument("--no-save", action="store_true", help="print only; do not write bench/results/")
+    args = parser.parse_args()
+    root = Path(args.dir)
+    vectors = bf16_vectors(args.prompts, seed=0)
+    part_mb = sum(a.nbytes for a in vectors.values()) / 1e6
+    rows = {"plain_write_1_part": timed_plain_write(root, vectors)}
+    for concurrent in (1, 2, 4, 8):
+        rows[f"write_part_x{concurrent}"] = timed_parts(root, vectors, concurrent)
+    report = {
+        "date": dt.date.today().isoformat(),
+        "machine": machine(),
+        "command": "python " + " ".join(sys.argv),
+        "dir": str(root),
+        "part": {"prompts": args.prompts, "layers": LAYERS, "hidden": HIDDEN, "float32_mb": round(part_mb, 1)},
+        "seconds": {name: round(s, 3) for name, s in rows.items()},
+        "float32_mb_per_s": {name: round(part_mb * (int(name.rsplit("x", 1)[1]) if "_x" in name else 1) / s, 1)
+                             for name, s in rows.items()},
+    }
+    for name, seconds in report["seconds"].items():
+        print(f"{name:22s} {seconds:7.3f} s  {report['float32_mb_per_s'][name]:8.1f} MB/s of float32")
+    if not args.no_save:
+        out = Path(__file__).resolve().parent / "results" / f"write_parts-{report['date']}.json"
+        out.write_text(json.dumps(report, indent=1))
+        print("wrote", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
