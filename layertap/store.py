@@ -221,14 +221,21 @@ def _first_line(exc: BaseException) -> str:
     return next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
+# Opening a database file that is not open yet in this process creates DuckDB's instance for it; a second
+# thread opening the same file meanwhile can get that instance before its Python scan functions are
+# registered ("Table Function with name python_arrow_scan does not exist"). Opens are therefore one at a time.
+_OPENING = threading.Lock()
+
+
 def _connect(db_path: Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
     """Wait out a lock held by another process, or a connection of the other mode in this one."""
     deadline = time.monotonic() + LOCK_WAIT_S
     delay = 0.02
     while True:
         try:
-            con = duckdb.connect(str(db_path), read_only=read_only)
-            con.execute("SET enable_progress_bar = false")  # a library must not draw on the caller's terminal
+            with _OPENING:
+                con = duckdb.connect(str(db_path), read_only=read_only)
+                con.execute("SET enable_progress_bar = false")  # a library must not draw on the caller's terminal
             return con
         except (duckdb.IOException, duckdb.ConnectionException) as exc:
             busy = "lock" in str(exc).lower() or "different configuration" in str(exc)

@@ -275,6 +275,29 @@ def test_engine_rejections_leave_the_plan_and_show_in_the_ledger(db, inputs):
     assert counts["rejected"] == 4 + 5 and counts["reasons"]["longer than max_model_len"] == 5
 
 
+def test_threads_opening_the_store_at_once_all_get_a_working_connection(db, inputs):
+    """Batches in flight open the store from several threads; each open that creates the process's database
+    instance must finish before another thread uses it (or Arrow scans are missing on that connection)."""
+    eid, _ = ingest_and_plan(db, inputs, batch_size=100)
+    refused = prompt_hash("hello world")
+    errors = []
+
+    def record_rejections():
+        for _ in range(40):
+            try:
+                db.reject_prompts(eid, {refused: "longer than max_model_len"})  # registers an Arrow table
+            except Exception as exc:  # noqa: BLE001 - every failure is collected and reported below
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=record_rejections) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[:3]
+    assert table(db, "SELECT count(*) FROM prompt_rejects") == [(1,)]
+
+
 def test_register_extraction_is_idempotent_and_checks_shape(db):
     eid = db.register_extraction(KEY)
     assert db.register_extraction(KEY) == eid == KEY.extraction_id and len(eid) == 16
