@@ -47,10 +47,18 @@ def get_runner(settings: Settings):
         return runner
 
 
-def discard_runner(settings: Settings) -> bool:
-    """Close and forget this settings' engine (after it failed), so a retry starts a fresh one."""
+def discard_runner(settings: Settings, only=None) -> bool:
+    """Close and forget this settings' engine (after it failed), so a retry starts a fresh one.
+
+    With `only`, the engine is forgotten only if it is still that one: a batch that saw an engine die must
+    not discard the fresh engine another batch has started since.
+    """
+    key = runner_key(settings)
     with _lock:
-        runner = _runners.pop(runner_key(settings), None)
+        if only is not None and _runners.get(key) is not only:
+            runner = only  # already replaced: close the dead one (closing twice is harmless), keep the new
+        else:
+            runner = _runners.pop(key, None)
     if runner is None:
         return False
     with contextlib.suppress(Exception):
@@ -67,7 +75,7 @@ def discard_if_dead(settings: Settings, runner) -> bool:
     probe = getattr(runner, "healthy", None)
     if probe is not None and probe():
         return False
-    return discard_runner(settings)
+    return discard_runner(settings, only=runner)
 
 
 def close_runners(force: bool = False) -> int:
