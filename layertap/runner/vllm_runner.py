@@ -159,6 +159,10 @@ class VllmRunner:
         self._host = HostBuffers(pinned=not on_cpu)
         self._ids = itertools.count()
         self._inbox: queue.Queue[_Job | None] = queue.Queue()
+        # Held while a job is queued and while closing: no job lands in the inbox after the close signal,
+        # where no engine thread would ever answer it.
+        self._gate = threading.Lock()
+        self._closed = False
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name="layertap-engine", daemon=True)
         self._thread.start()
@@ -196,7 +200,9 @@ class VllmRunner:
         num_tokens = sum(len(token_ids[i]) for i in kept)
         if not kept:
             return Extraction(self._no_vectors(layers), [], rejected, 0, truncated)
-        self._check_usable()
+        with self._gate:
+            self._check_usable()
+            engine = self.llm.llm_engine
         sink = buffer = None
         if self._in_process:
             vectors, buffer = self._host.take((len(layers), len(kept), self.hidden_size))
@@ -204,7 +210,7 @@ class VllmRunner:
         job = _Job(key=f"j{next(self._ids)}", capture=(layers, pooling),
                    token_ids=[token_ids[i] for i in kept], sink=sink)
         try:
-            job.requests = prepare_requests(self.llm.llm_engine, [f"{job.key}:{i}" for i in range(len(kept))],
+            job.requests = prepare_requests(engine, [f"{job.key}:{i}" for i in range(len(kept))],
                                             job.token_ids, self._params(job), self._tasks)
         except Exception as exc:
             if buffer is not None:
@@ -228,13 +234,14 @@ class VllmRunner:
                           release_fn=functools.partial(self._host.give_back, buffer))
 
     def _submit(self, job: _Job) -> None:
-        self._check_usable()
-        self._inbox.put(job)
+        with self._gate:
+            self._check_usable()
+            self._inbox.put(job)
 
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise EngineError(f"the engine failed earlier: {self._failure}") from self._failure
-        if self.llm is None:
+        if self._closed or self.llm is None:
             raise EngineError("the engine is closed")
 
     def _no_vectors(self, layers: tuple[int, ...]) -> dict[int, np.ndarray]:
@@ -357,7 +364,7 @@ class VllmRunner:
 
     def healthy(self) -> bool:
         """Whether the engine still answers: a one-prompt extraction with the capture already installed."""
-        if getattr(self, "llm", None) is None or self._failure is not None:
+        if getattr(self, "llm", None) is None or self._closed or self._failure is not None:
             return False
         if self._capture is None:
             return True
@@ -372,7 +379,11 @@ class VllmRunner:
         llm = getattr(self, "llm", None)
         if llm is None:
             return
-        self._inbox.put(None)
+        with self._gate:
+            if self._closed:
+                return
+            self._closed = True
+            self._inbox.put(None)
         self._thread.join()
         self.llm = None
         self._host.clear()
