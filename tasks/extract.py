@@ -108,6 +108,9 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         "relpath": relpath,
         "layers": layers,
         "num_prompts": len(kept),
+        # What the part must hold, in plan order: passed on so that checking and publishing the part need
+        # not read the batch from the store again (each store access opens the database file).
+        "prompt_hashes": [h for h in hashes if h not in rejected],
         "rejected": rejected,
         "truncated": truncated,
         "problem": problem,

@@ -16,6 +16,14 @@ from layertap.settings import Settings
 from layertap.store import StoreDB
 
 
+def _expected(store: str, part: dict) -> list[str]:
+    """The batch's prompts the part must hold, in plan order (from the store for results cached without them)."""
+    if part.get("prompt_hashes") is not None:
+        return part["prompt_hashes"]
+    hashes, _ = StoreDB(store).batch_prompts(part["batch_id"])
+    return [h for h in hashes if h not in part["rejected"]]
+
+
 def quarantine(store: str, extraction_id: str, relpath: str) -> str | None:
     """Move a failed part out of parts/ so nothing can ever publish it; keep it for inspection."""
     source = Path(store) / relpath
@@ -38,9 +46,7 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
     logger = get_run_logger()
     if part["relpath"] is None:
         return {"batch_id": part["batch_id"], "checks": []}
-    hashes, texts = StoreDB(store).batch_prompts(part["batch_id"])
-    rejected = part["rejected"]
-    expected = [h for h in hashes if h not in rejected]
+    expected = _expected(store, part)
     path = str(Path(store) / part["relpath"])
     done = []
     try:
@@ -52,7 +58,7 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
         truncated = part.get("truncated") or {}  # the reference would see the whole prompt: leave them out
         candidates = [i for i, h in enumerate(stored) if h not in truncated]
         if parity and settings.parity_sample > 0 and candidates:
-            text_of = dict(zip(hashes, texts))
+            text_of = dict(zip(*StoreDB(store).batch_prompts(part["batch_id"])))
             picked = checks.parity_sample([stored[i] for i in candidates], settings.parity_sample)
             rows = [candidates[i] for i in picked]
             report = checks.parity_check(
@@ -85,15 +91,14 @@ def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings,
 def publish_batch(store: str, part: dict) -> dict:
     """One DuckDB transaction makes the part (already fsynced on disk) visible to readers."""
     db = StoreDB(store)
-    hashes, _ = db.batch_prompts(part["batch_id"])
     rejected = part["rejected"]
     if rejected:
         db.reject_prompts(part["extraction_id"], rejected)
     if part.get("truncated"):
         db.note_prompts(part["extraction_id"], part["truncated"])
     if part["relpath"] is not None:
-        order = [h for h in hashes if h not in rejected]
-        db.publish_part(part["extraction_id"], part["part_id"], part["relpath"], part["layers"], order)
+        db.publish_part(part["extraction_id"], part["part_id"], part["relpath"], part["layers"],
+                        _expected(store, part))
     get_run_logger().info(
         "publish batch %s: %d prompts x %d layers%s",
         part["batch_id"],
