@@ -707,7 +707,8 @@ class StoreDB:
         """Insert (extraction, prompt_hash, text) rows into `table`, keeping a prompt's first text only."""
         if not texts:
             return 0
-        with self._connect() as con:
+        # The same lock as publishing: a check-then-insert from two threads at once would record twice.
+        with self._publish_lock, self._connect() as con:
             con.register("incoming", pa.table({"prompt_hash": list(texts), "text": list(texts.values())}))
             return _one(
                 con,
