@@ -155,36 +155,50 @@ class RssSampler:
 
 class PhaseTimes:
     """Time spent inside the extract task's three phases (summed over batches, which overlap): the engine,
-    the in-memory value checks, and the Parquet write. Says which one bounds the flow."""
+    the in-memory value checks, and the Parquet write; and in the flow's own steps, which run one after
+    another on the flow's thread (`_extracted` is the wait for a batch's extraction). Says what bounds it."""
+
+    FLOW_STEPS = ("ingest", "normalise", "register_extraction", "plan", "_extracted", "validate_batch",
+                  "publish_batch", "validate_store")
 
     def __enter__(self):
         import threading
 
         import tasks.extract as extract_task
 
+        import flows.pipeline as pipeline
+
         self.seconds = {"engine": 0.0, "check_values": 0.0, "write_part": 0.0}
-        self._lock, self._module = threading.Lock(), extract_task
+        self.flow_steps = {name: 0.0 for name in self.FLOW_STEPS}
+        self._lock, self._module, self._pipeline = threading.Lock(), extract_task, pipeline
         self._originals = {"extract_splitting": extract_task.extract_splitting,
                            "write_part": extract_task.write_part}
+        self._flow_originals = {name: getattr(pipeline, name) for name in self.FLOW_STEPS}
         self._check = extract_task.checks.check_vectors
         extract_task.extract_splitting = self._timed("engine", extract_task.extract_splitting)
         extract_task.write_part = self._timed("write_part", extract_task.write_part)
         extract_task.checks.check_vectors = self._timed("check_values", self._check)
+        for name, fn in self._flow_originals.items():
+            setattr(pipeline, name, self._timed(name, fn, self.flow_steps))
         return self
 
-    def _timed(self, phase, fn):
+    def _timed(self, phase, fn, into=None):
+        into = self.seconds if into is None else into
+
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 with self._lock:
-                    self.seconds[phase] += time.perf_counter() - start
+                    into[phase] += time.perf_counter() - start
         return timed
 
     def __exit__(self, *exc):
         for name, fn in self._originals.items():
             setattr(self._module, name, fn)
+        for name, fn in self._flow_originals.items():
+            setattr(self._pipeline, name, fn)
         self._module.checks.check_vectors = self._check
 
 
@@ -234,6 +248,7 @@ def run_layertap(model_dir: str, prompts: list[str]) -> dict:
             "embedded": summary["embedded"], "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
             "store_bytes": store_bytes, "capture_buffer_bytes": capture,
             "task_phase_seconds_summed_over_batches": phases.seconds,
+            "flow_step_seconds_on_flow_thread": phases.flow_steps,
             "host_buffers_allocated": runner.host_buffers_allocated,
             "rss_before_run_gib": rss_before, "peak_rss_during_run_gib": rss.peak,
             "peak_rss_reading_last_layer_back_gib": read_rss.peak,

@@ -68,18 +68,58 @@ def timed_plain_write(root: Path, vectors: dict[int, np.ndarray]) -> float:
     return seconds
 
 
+# Encodings tried next to the writer's own (one part, one thread, fsynced): says how much of a part's time
+# is the encoder's choice and how much is bytes to the disk.
+ENCODINGS = {
+    "lz4_bss_checksums": dict(compression="lz4", byte_stream_split=True, write_page_checksum=True),
+    "lz4_bss": dict(compression="lz4", byte_stream_split=True),
+    "zstd1_bss": dict(compression="zstd", compression_level=1, byte_stream_split=True),
+    "none_plain": dict(compression="none"),
+    "none_bss": dict(compression="none", byte_stream_split=True),
+}
+
+
+def timed_encoding(root: Path, vectors: dict[int, np.ndarray], options: dict) -> tuple[float, int]:
+    """Seconds and bytes to write one part's table with the given Parquet options, fsync included."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    options = dict(options)
+    split = options.pop("byte_stream_split", False)
+    rows = next(iter(vectors.values())).shape[0]
+    table = pa.table({"prompt_hash": pa.array([f"{i:064x}" for i in range(rows)]),
+                      **{f"layer_{layer}": pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), HIDDEN)
+                         for layer, a in vectors.items()}})
+    path = root / "encoding.parquet"
+    start = time.perf_counter()
+    with pa.OSFile(str(path), "w") as sink:
+        with pq.ParquetWriter(sink, table.schema, use_dictionary=False, write_statistics=["prompt_hash"],
+                              use_byte_stream_split=[f"{c}.list.element" for c in table.column_names[1:]]
+                              if split else False, **options) as parquet:
+            parquet.write_table(table, row_group_size=rows)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    seconds, size = time.perf_counter() - start, path.stat().st_size
+    path.unlink()
+    return seconds, size
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where parts are written")
     parser.add_argument("--prompts", type=int, default=1024, help="prompts per part")
     parser.add_argument("--no-save", action="store_true", help="print only; do not write bench/results/")
+    parser.add_argument("--out", help="results folder (default bench/results/)")
+    parser.add_argument("--tag", default="", help="added to the results file's name")
     args = parser.parse_args()
     root = Path(args.dir)
     vectors = bf16_vectors(args.prompts, seed=0)
     part_mb = sum(a.nbytes for a in vectors.values()) / 1e6
     rows = {"plain_write_1_part": timed_plain_write(root, vectors)}
-    for concurrent in (1, 2, 4, 8):
+    for concurrent in (1, 2, 4, 8, 16)[: 1 + max(1, (os.cpu_count() or 1)).bit_length()]:
         rows[f"write_part_x{concurrent}"] = timed_parts(root, vectors, concurrent)
+    encodings = {name: timed_encoding(root, vectors, options) for name, options in ENCODINGS.items()}
     report = {
         "date": dt.date.today().isoformat(),
         "machine": machine(),
@@ -89,11 +129,17 @@ def main() -> int:
         "seconds": {name: round(s, 3) for name, s in rows.items()},
         "float32_mb_per_s": {name: round(part_mb * (int(name.rsplit("x", 1)[1]) if "_x" in name else 1) / s, 1)
                              for name, s in rows.items()},
+        "encodings_one_part": {name: {"seconds": round(s, 3), "mb": round(size / 1e6, 1)}
+                               for name, (s, size) in encodings.items()},
     }
     for name, seconds in report["seconds"].items():
         print(f"{name:22s} {seconds:7.3f} s  {report['float32_mb_per_s'][name]:8.1f} MB/s of float32")
+    for name, row in report["encodings_one_part"].items():
+        print(f"encoding {name:20s} {row['seconds']:7.3f} s  {row['mb']:8.1f} MB on disk")
     if not args.no_save:
-        out = Path(__file__).resolve().parent / "results" / f"write_parts-{report['date']}.json"
+        folder = Path(args.out) if args.out else Path(__file__).resolve().parent / "results"
+        folder.mkdir(parents=True, exist_ok=True)
+        out = folder / f"write_parts-{report['date']}{'-' + args.tag if args.tag else ''}.json"
         out.write_text(json.dumps(report, indent=1))
         print("wrote", out)
     return 0
