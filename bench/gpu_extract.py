@@ -215,6 +215,7 @@ def run_layertap(model_dir: str, prompts: list[str]) -> dict:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.embed import embed_flow
     from layertap import Store, engine_cache
+    from layertap.settings import load_settings
 
     work = Path(tempfile.mkdtemp(prefix="layertap-bench-"))
     warm, data = work / "warm.csv", work / "prompts.csv"
@@ -241,12 +242,14 @@ def run_layertap(model_dir: str, prompts: list[str]) -> dict:
         runner = next(iter(engine_cache._runners.values()))
         capture = runner.capture_buffer_bytes
     store_bytes = sum(f.stat().st_size for f in (work / "store").rglob("*") if f.is_file())
+    parquet_files = len(list((work / "store" / "parts").rglob("*.parquet")))
     assert table.num_rows == summary["embedded"] == len(set(prompts)), (table.num_rows, summary)
     shutil.rmtree(work, ignore_errors=True)
     return {"seconds": seconds, "first_pass_s": first_pass or seconds, "passes": PASSES,
             "startup_and_warmup_s": startup, "flow_seconds": summary["seconds"],
             "embedded": summary["embedded"], "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
-            "store_bytes": store_bytes, "capture_buffer_bytes": capture,
+            "store_bytes": store_bytes, "parquet_files": parquet_files,
+            "part_file_mb": load_settings(env_file=None).part_file_mb, "capture_buffer_bytes": capture,
             "task_phase_seconds_summed_over_batches": phases.seconds,
             "flow_step_seconds_on_flow_thread": phases.flow_steps,
             "host_buffers_allocated": runner.host_buffers_allocated,

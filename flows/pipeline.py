@@ -27,6 +27,7 @@ from tasks import (
     extract_batch,
     ingest,
     normalise,
+    part_files,
     plan,
     publish_batch,
     quarantine_batch,
@@ -51,9 +52,9 @@ def resolve_model(settings: Settings) -> str:
 
 
 def _extracted(future, store: str, store_uuid: str, batch: dict, settings: Settings) -> dict:
-    """A batch's part, reusing a cached part only while its file is still where the cache says."""
+    """A batch's part, reusing a cached part only while its files are still where the cache says."""
     part = future.result()
-    if part["relpath"] is not None and not (Path(store) / part["relpath"]).is_file():
+    if not all((Path(store) / file["relpath"]).is_file() for file in part_files(part)):
         part = extract_batch.with_options(refresh_cache=True)(store, store_uuid, batch, settings)
     return part
 

@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     batch_size: int = Field(1024, ge=1)
     # Batches extracted at once: the engine computes one while the others are written and published.
     batches_in_flight: int = Field(3, ge=1)
+    # Largest Parquet file a batch is written as (MB of vectors before compression): a bigger batch is split
+    # by rows into files encoded in parallel, one per core at most, so writing keeps up with a GPU.
+    part_file_mb: float = Field(128, gt=0)
     parity_sample: int = Field(8, ge=0)
     # Prompts longer than the model's context are rejected unless the user asks to cut them to fit.
     truncate: bool = False

@@ -659,38 +659,60 @@ class StoreDB:
     def publish_part(
         self, extraction_id: str, part_id: str, relpath: str, layers: list[int], prompt_hashes: list[str]
     ) -> None:
-        """Make a written part visible, in one transaction; refuses any (prompt, layer) already published."""
+        """Make one written file visible, in one transaction; refuses any (prompt, layer) already published."""
+        self.publish_parts(extraction_id, layers, [(part_id, relpath, prompt_hashes)])
+
+    def publish_parts(self, extraction_id: str, layers: list[int], files: list[tuple[str, str, list[str]]]) -> None:
+        """Make a batch's written files, (part id, path, prompt hashes) each, visible together in one
+        transaction: all of them or, on any refusal, none. Refuses any (prompt, layer) already published."""
         layers = _sorted_layers(layers)
-        if not prompt_hashes or len(set(prompt_hashes)) != len(prompt_hashes):
-            raise StoreError(f"part {part_id}: prompt hashes must be non-empty and distinct")
-        if not (self.root / relpath).is_file():
-            raise StoreError(f"part {part_id}: {relpath} is not a file in the store")
-        new = pa.table({"prompt_hash": pa.array(prompt_hashes, pa.string())})
+        if not files:
+            raise StoreError("no parts to publish")
+        part_ids = [part_id for part_id, _, _ in files]
+        if len(set(part_ids)) != len(part_ids):
+            raise StoreError(f"part ids must be distinct, got {part_ids}")
+        every_hash = [h for _, _, hashes in files for h in hashes]
+        for part_id, relpath, hashes in files:
+            if not hashes:
+                raise StoreError(f"part {part_id}: prompt hashes must be non-empty and distinct")
+            if not (self.root / relpath).is_file():
+                raise StoreError(f"part {part_id}: {relpath} is not a file in the store")
+        if len(set(every_hash)) != len(every_hash):
+            what = f"part {part_ids[0]}" if len(files) == 1 else f"parts {', '.join(part_ids)}"
+            raise StoreError(f"{what}: prompt hashes must be non-empty and distinct")
+        new = pa.table({
+            "part_id": pa.array([part_id for part_id, _, hashes in files for _ in hashes], pa.string()),
+            "prompt_hash": pa.array(every_hash, pa.string()),
+        })
         with self._publish_lock, self._connect() as con:
             num_layers = self._extraction_rules(con, extraction_id)[1]
             if layers[0] < 0 or layers[-1] > num_layers:
-                raise StoreError(f"part {part_id}: layers must be within 0..{num_layers}, got {layers}")
+                raise StoreError(f"part {part_ids[0]}: layers must be within 0..{num_layers}, got {layers}")
             con.register("new_part", new)
             con.begin()
-            if _one(con, "SELECT count(*) FROM parts WHERE part_id = ?", [part_id])[0]:
-                raise StoreError(f"part {part_id} is already published")
-            unknown = _one(con, "SELECT count(*) FROM new_part n ANTI JOIN prompts p USING (prompt_hash)")[0]
-            if unknown:
-                raise StoreError(f"part {part_id}: {unknown} prompt hashes are not in the store")
+            known = _one(con, "SELECT min(part_id) FROM parts WHERE list_contains($ids, part_id)", {"ids": part_ids})[0]
+            if known is not None:
+                raise StoreError(f"part {known} is already published")
+            unknown = _one(
+                con, "SELECT count(*), min(part_id) FROM new_part n ANTI JOIN prompts p USING (prompt_hash)"
+            )
+            if unknown[0]:
+                raise StoreError(f"part {unknown[1]}: {unknown[0]} prompt hashes are not in the store")
             clash = _one(
                 con,
-                """SELECT count(*) FROM new_part n JOIN part_prompts pp ON n.prompt_hash = pp.prompt_hash
+                """SELECT count(*), min(n.part_id) FROM new_part n
+                JOIN part_prompts pp ON n.prompt_hash = pp.prompt_hash
                 JOIN parts p ON pp.part_id = p.part_id
                 WHERE p.extraction_id = $eid AND list_has_any(p.layers, $layers)""",
                 {"eid": extraction_id, "layers": layers},
-            )[0]
-            if clash:
-                raise StoreError(f"part {part_id}: {clash} prompts already have some of layers {layers}")
-            con.execute(
-                "INSERT INTO parts VALUES (?, ?, ?, ?, ?, now())",
-                [part_id, extraction_id, relpath, layers, len(prompt_hashes)],
             )
-            con.execute("INSERT INTO part_prompts SELECT ?, prompt_hash FROM new_part", [part_id])
+            if clash[0]:
+                raise StoreError(f"part {clash[1]}: {clash[0]} prompts already have some of layers {layers}")
+            con.executemany(
+                "INSERT INTO parts VALUES (?, ?, ?, ?, ?, now())",
+                [[part_id, extraction_id, relpath, layers, len(hashes)] for part_id, relpath, hashes in files],
+            )
+            con.execute("INSERT INTO part_prompts SELECT part_id, prompt_hash FROM new_part")
             faults.hit("publish.before-commit")
             con.commit()
         faults.hit("publish.committed")

@@ -48,6 +48,16 @@ def _vectors(table: pa.Table, layers: list[int]) -> dict[int, np.ndarray]:
     }
 
 
+def check_files_cover(listed: list[list[str]], expected_hashes: list[str]) -> None:
+    """The files a batch was written as list, between them, each of the batch's prompts exactly once."""
+    together = [h for hashes in listed for h in hashes]
+    if sorted(together) != sorted(expected_hashes):
+        raise ValidationError(
+            f"check 'one result per prompt': the part's {len(listed)} files list {len(together)} rows "
+            f"({len(set(together))} distinct), expected the batch's {len(expected_hashes)} prompts"
+        )
+
+
 def check_part(path: str, expected_hashes: list[str], layers: list[int], hidden_size: int) -> list[str]:
     """Check a written part against its batch without re-reading its vectors; returns the stored order.
 

@@ -1,10 +1,10 @@
 """Thin Prefect tasks around the layertap library: retries, cache keys and one log line per stage.
 
 Tasks pass paths, ids, hashes and counts between each other, never arrays: vectors go straight from the
-engine to a Parquet part on disk, and only the part's path travels on.
+engine to Parquet files on disk, and only the files' paths travel on.
 """
 
-from tasks.extract import batch_cache_key, extract_batch
+from tasks.extract import batch_cache_key, extract_batch, part_files
 from tasks.ingest import ingest
 from tasks.normalise import normalise
 from tasks.plan import plan, register_extraction
@@ -17,6 +17,7 @@ __all__ = [
     "extract_batch",
     "ingest",
     "normalise",
+    "part_files",
     "plan",
     "publish_batch",
     "quarantine_batch",

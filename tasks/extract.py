@@ -1,4 +1,4 @@
-"""Run one batch through the engine and write its vectors straight to a Parquet part."""
+"""Run one batch through the engine and write its vectors straight to Parquet (one part, one or more files)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from layertap.settings import Settings
 from layertap.split_on_oom import extract_splitting
 from layertap.store import StoreDB
 from layertap.truncation import truncation_length, truncation_note
-from layertap.writer import part_id_for, write_part
+from layertap.writer import part_id_for, write_batch_files
 
 
 def batch_cache_key(context: Any, parameters: dict[str, Any]) -> str:
@@ -33,6 +33,16 @@ def batch_cache_key(context: Any, parameters: dict[str, Any]) -> str:
         separators=(",", ":"),
     )
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def part_files(part: dict) -> list[dict]:
+    """The files a batch was written as: {"part_id", "relpath", "prompt_hashes"} each.
+
+    Results cached before a batch could span files name one file and no hashes (the batch's, then).
+    """
+    if "files" in part:
+        return part["files"]
+    return [{"part_id": part["part_id"], "relpath": part["relpath"], "prompt_hashes": None}] if part["relpath"] else []
 
 
 def _renewed(settings: Settings):
@@ -79,7 +89,7 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
     rejected = {hashes[i]: reason for i, reason in sorted(result.rejected.items())}
     truncated = {hashes[i]: truncation_note(n, truncate_to) for i, n in sorted(result.truncated.items())}
     part_id = part_id_for(batch["extraction_id"], layers, batch["prompt_hashes_digest"])
-    relpath = problem = None
+    files, problem = [], None
     if kept:
         # Values are checked here, in memory, so the published part never has to be read back whole;
         # a failing part is still written, for validate-batch to quarantine and report.
@@ -88,24 +98,25 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         except ValidationError as exc:
             problem = str(exc)
         try:
-            relpath = str(write_part(store, batch["extraction_id"], part_id, kept, result.vectors, settings.dtype))
+            files = write_batch_files(store, batch["extraction_id"], part_id, kept, result.vectors, settings.dtype,
+                                      max_file_bytes=int(settings.part_file_mb * 1e6))
         finally:
             result.release()
     logger.info(
-        "extract batch %s: %d prompts x %d layers in %.2fs (%d tokens), %d rejected -> %s",
+        "extract batch %s: %d prompts x %d layers in %.2fs (%d tokens), %d rejected -> %d files",
         batch["batch_id"],
         len(kept),
         len(layers),
         seconds,
         result.num_tokens,
         len(rejected),
-        relpath or "no part",
+        len(files),
     )
     return {
         "batch_id": batch["batch_id"],
         "extraction_id": batch["extraction_id"],
         "part_id": part_id,
-        "relpath": relpath,
+        "files": files,
         "layers": layers,
         "num_prompts": len(kept),
         # What the part must hold, in plan order: passed on so that checking and publishing the part need

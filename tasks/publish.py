@@ -1,10 +1,11 @@
-"""Check a written part, then make it visible in one store transaction (or quarantine it)."""
+"""Check a written part's files, then make them visible in one store transaction (or quarantine them)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import numpy as np
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -14,6 +15,7 @@ from layertap.errors import ValidationError as CheckFailed
 from layertap.file_modes import make_dirs
 from layertap.settings import Settings
 from layertap.store import StoreDB
+from tasks.extract import part_files
 
 
 def _expected(store: str, part: dict) -> list[str]:
@@ -37,68 +39,90 @@ def quarantine(store: str, extraction_id: str, relpath: str) -> str | None:
 
 @task(name="validate-batch", cache_policy=NO_CACHE, result_serializer="json")
 def validate_batch(store: str, part: dict, hidden_size: int, settings: Settings, parity: bool) -> dict:
-    """Every part: its file against the batch, and the values' check made before writing; on the run's first
-    part also a parity sample against Hugging Face.
+    """Every part: its files against the batch, and the values' check made before writing; on the run's
+    first part also a parity sample against Hugging Face.
 
-    Checks are deterministic, so there are no retries: a failure quarantines the part and stops the run
-    with a message naming the check.
+    Checks are deterministic, so there are no retries: a failure quarantines the part's files and stops
+    the run with a message naming the check.
     """
     logger = get_run_logger()
-    if part["relpath"] is None:
+    files = part_files(part)
+    if not files:
         return {"batch_id": part["batch_id"], "checks": []}
     expected = _expected(store, part)
-    path = str(Path(store) / part["relpath"])
+    paths = [str(Path(store) / file["relpath"]) for file in files]
     done = []
     try:
-        stored = checks.check_part(path, expected, part["layers"], hidden_size)
+        listed = [file["prompt_hashes"] if file["prompt_hashes"] is not None else expected for file in files]
+        checks.check_files_cover(listed, expected)
+        stored = [checks.check_part(path, hashes, part["layers"], hidden_size) for path, hashes in zip(paths, listed)]
         if part.get("problem"):
             raise CheckFailed(part["problem"])
-        done.append("part")
+        done.append("part" if len(files) == 1 else f"part in {len(files)} files")
         faults.hit("validate-batch.checked")  # a whole part in parts/, checked, not yet in the manifest
-        truncated = part.get("truncated") or {}  # the reference would see the whole prompt: leave them out
-        candidates = [i for i, h in enumerate(stored) if h not in truncated]
-        if parity and settings.parity_sample > 0 and candidates:
-            text_of = dict(zip(*StoreDB(store).batch_prompts(part["batch_id"])))
-            picked = checks.parity_sample([stored[i] for i in candidates], settings.parity_sample)
-            rows = [candidates[i] for i in picked]
-            report = checks.parity_check(
-                settings.model,
-                [text_of[stored[i]] for i in rows],
-                checks.stored_rows(path, part["layers"], rows),
-                part["layers"],
-                settings.pooling,
-                settings.dtype,
-                trust_remote_code=settings.trust_remote_code,
-            )
-            done.append(f"parity on {report.prompts} prompts")
-            logger.info(
-                "parity vs Hugging Face, batch %s: min cosine %.6f, max abs error %.2e over %d prompts",
-                part["batch_id"],
-                min(report.min_cosine.values()),
-                max(report.max_abs_error.values()),
-                report.prompts,
-            )
+        if parity and settings.parity_sample > 0:
+            report = _parity(store, part, settings, paths, stored)
+            if report is not None:
+                done.append(f"parity on {report.prompts} prompts")
+                logger.info(
+                    "parity vs Hugging Face, batch %s: min cosine %.6f, max abs error %.2e over %d prompts",
+                    part["batch_id"],
+                    min(report.min_cosine.values()),
+                    max(report.max_abs_error.values()),
+                    report.prompts,
+                )
     except CheckFailed as exc:
-        moved = quarantine(store, part["extraction_id"], part["relpath"])
+        moved = [m for m in (quarantine(store, part["extraction_id"], file["relpath"]) for file in files) if m]
         raise CheckFailed(
-            f"batch {part['batch_id']} not published: {exc}" + (f" (part moved to {moved})" if moved else "")
+            f"batch {part['batch_id']} not published: {exc}" + (f" (moved to {', '.join(moved)})" if moved else "")
         ) from exc
     logger.info("validate batch %s: %s ok", part["batch_id"], " + ".join(done))
     return {"batch_id": part["batch_id"], "checks": done}
 
 
+def _parity(store: str, part: dict, settings: Settings, paths: list[str], stored: list[list[str]]):
+    """Compare a deterministic sample of the part's rows (across its files) with Hugging Face; None when
+    every row was truncated (the reference would see the whole prompt)."""
+    truncated = part.get("truncated") or {}
+    rows = [(path, i, h) for path, order in zip(paths, stored) for i, h in enumerate(order) if h not in truncated]
+    if not rows:
+        return None
+    picked = [rows[i] for i in checks.parity_sample([h for _, _, h in rows], settings.parity_sample)]
+    text_of = dict(zip(*StoreDB(store).batch_prompts(part["batch_id"])))
+    vectors: dict[int, list] = {layer: [] for layer in part["layers"]}
+    for path in dict.fromkeys(path for path, _, _ in picked):  # file by file, in the sample's order
+        got = checks.stored_rows(path, part["layers"], [i for p, i, _ in picked if p == path])
+        for layer in part["layers"]:
+            vectors[layer].append(got[layer])
+    return checks.parity_check(
+        settings.model,
+        [text_of[h] for _, _, h in picked],
+        {layer: np.concatenate(chunks) for layer, chunks in vectors.items()},
+        part["layers"],
+        settings.pooling,
+        settings.dtype,
+        trust_remote_code=settings.trust_remote_code,
+    )
+
+
 @task(name="publish-batch", cache_policy=NO_CACHE, result_serializer="json")
 def publish_batch(store: str, part: dict) -> dict:
-    """One DuckDB transaction makes the part (already fsynced on disk) visible to readers."""
+    """One DuckDB transaction makes the part's files (already fsynced on disk) visible to readers."""
     db = StoreDB(store)
     rejected = part["rejected"]
     if rejected:
         db.reject_prompts(part["extraction_id"], rejected)
     if part.get("truncated"):
         db.note_prompts(part["extraction_id"], part["truncated"])
-    if part["relpath"] is not None:
-        db.publish_part(part["extraction_id"], part["part_id"], part["relpath"], part["layers"],
-                        _expected(store, part))
+    files = part_files(part)
+    if files:
+        db.publish_parts(
+            part["extraction_id"],
+            part["layers"],
+            [(file["part_id"], file["relpath"],
+              file["prompt_hashes"] if file["prompt_hashes"] is not None else _expected(store, part))
+             for file in files],
+        )
     get_run_logger().info(
         "publish batch %s: %d prompts x %d layers%s",
         part["batch_id"],

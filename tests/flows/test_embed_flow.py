@@ -16,6 +16,7 @@ import pytest
 
 from layertap import engine_cache
 from layertap.errors import ValidationError as CheckFailed
+from layertap.writer import encoder_threads
 
 LAYERS = "0,2,-1"  # -> [0, 2, 4] on the 4-layer tiny model
 
@@ -129,6 +130,33 @@ def test_end_to_end(run, tmp_path, tiny_model):
     reference = HfRunner(tiny_model, "float32").extract(texts, [4], "last").vectors[4]
     cos = (ours * reference).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1))
     assert cos.min() > 0.99999
+
+
+def test_a_batch_over_the_file_limit_is_written_as_several_files_and_read_back_whole(run, tmp_path, tiny_model,
+                                                                                  monkeypatch):
+    from layertap import Store
+    from layertap.runner.hf_runner import HfRunner
+
+    if encoder_threads() < 2:
+        pytest.skip("one core: a batch is never split")
+    monkeypatch.setenv("LAYERTAP_PART_FILE_MB", "0.001")  # 1 kB; one row of 3 layers x 128 float32 is 1.5 kB
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    summary, _ = run([source])  # one batch of 8 prompts, parity-checked on a sample drawn across its files
+
+    written = parts(summary["store"])
+    files = min(encoder_threads(), DISTINCT)
+    assert len(written) == files and summary["batches"] == 1
+    assert sorted(part_id.rsplit("-", 1)[1] for part_id, _, _ in written) == sorted(map(str, range(files)))
+    assert sum(n for _, _, n in written) == summary["embedded"] == DISTINCT
+    table = Store(summary["store"]).embeddings(layer=4)
+    texts = table.column("text").to_pylist()
+    assert sorted(texts) == sorted(set(texts)) and len(texts) == DISTINCT
+    ours = np.asarray(table.column("embedding").combine_chunks().flatten(), np.float32).reshape(len(texts), -1)
+    reference = HfRunner(tiny_model, "float32").extract(texts, [4], "last").vectors[4]
+    np.testing.assert_allclose(ours, reference, atol=1e-4)
+
+    again, _ = run([source])
+    assert again["planned"] == 0 and again["skipped"] == DISTINCT
 
 
 def test_ledger_accounts_for_every_input_row(run, tmp_path):
@@ -262,10 +290,15 @@ def test_mean_pooling_and_period_rules_are_separate_extractions(run, tmp_path, t
     np.testing.assert_allclose(ours, reference, atol=1e-4)
 
 
-def test_failed_validation_publishes_nothing(run, tmp_path, tiny_model, monkeypatch):
-    """A broken engine output (NaN) fails the named check, is quarantined, and a later run recovers."""
+@pytest.mark.parametrize("file_mb", [None, "0.001"], ids=["one-file", "several-files"])
+def test_failed_validation_publishes_nothing(run, tmp_path, tiny_model, monkeypatch, file_mb):
+    """A broken engine output (NaN) fails the named check, is quarantined (every file of the batch), and a
+    later run recovers."""
     from layertap import Store
     from layertap.settings import load_settings
+
+    if file_mb:
+        monkeypatch.setenv("LAYERTAP_PART_FILE_MB", file_mb)
 
     source = write_jsonl(tmp_path / "in.jsonl", ROWS)
     runner = engine_cache.get_runner(load_settings(env_file=None, model=tiny_model))
@@ -281,14 +314,15 @@ def test_failed_validation_publishes_nothing(run, tmp_path, tiny_model, monkeypa
         run([source])
     store = str(tmp_path / "store")
     assert parts(store) == []
-    assert list((Path(store) / "quarantine").rglob("*.parquet"))
+    moved = list((Path(store) / "quarantine").rglob("*.parquet"))
+    assert len(moved) == (min(encoder_threads(), DISTINCT) if file_mb else 1)
     assert not list((Path(store) / "parts").rglob("*.parquet"))
     assert {row["status"] for row in Store(store).ledger().to_pylist()} <= {"pending", "duplicate", "rejected"}
 
-    monkeypatch.undo()
-    summary, _ = run([source])  # the cached extraction points at a quarantined file: extracted again
+    monkeypatch.setattr(runner, "extract", real_extract)
+    summary, _ = run([source])  # the cached extraction points at quarantined files: extracted again
     assert summary["embedded"] == DISTINCT
-    assert len(parts(store)) == 1
+    assert len(parts(store)) == len(moved)
 
 
 def test_batch_cache_key_is_tied_to_store_and_batch():
@@ -342,8 +376,9 @@ def test_extract_batch_is_a_cache_hit_for_the_same_store_only(tiny_model, tmp_pa
 
     first, second, asked, part, cached = extract_twice(str(tmp_path / "a"))
     assert (first, second, asked) == ("Completed", "Cached", 0)
-    assert cached == part and (tmp_path / "a" / part["relpath"]).is_file()
+    (file,) = part["files"]
+    assert cached == part and (tmp_path / "a" / file["relpath"]).is_file()
 
     first, _, _, other, _ = extract_twice(str(tmp_path / "b"))  # same batch, another store
     assert first == "Completed" and other["part_id"] == part["part_id"]
-    assert (tmp_path / "b" / other["relpath"]).is_file()
+    assert (tmp_path / "b" / other["files"][0]["relpath"]).is_file()

@@ -21,7 +21,7 @@ import pytest
 from layertap.errors import InputError, StoreError
 from layertap.normalise import NormaliseRules, prompt_hash
 from layertap.store import ExtractionKey, Store, StoreDB
-from layertap.writer import write_part
+from layertap.writer import write_batch_files, write_part
 
 RULES = NormaliseRules()
 HIDDEN = 4
@@ -511,3 +511,28 @@ def test_sweep_staging_removes_only_invisible_files(db, inputs):
     assert db.sweep_staging(min_age_s=0) == 2
     assert [p.name for p in (db.root / "parts" / eid).iterdir()] == [f"{batches[0].batch_id}.parquet"]
     assert Store(db.root).embeddings(layer=0).num_rows == 7
+
+
+def test_a_batch_written_as_several_files_is_published_whole_or_not_at_all(db, inputs):
+    eid, (batch, *_) = ingest_and_plan(db, inputs, batch_size=100)
+    hashes, _ = db.batch_prompts(batch.batch_id)
+    vecs = {layer: np.stack([vector(h, layer) for h in hashes]) for layer in batch.layers}
+    files = write_batch_files(db.root, eid, "split", hashes, vecs, "float32", max_file_bytes=1, max_files=2)
+    assert len(files) == 2
+    listed = [(f["part_id"], f["relpath"], f["prompt_hashes"]) for f in files]
+
+    stray = listed[0][2][:1]  # the second file claims a prompt the first one holds: nothing is published
+    with pytest.raises(StoreError, match="distinct"):
+        db.publish_parts(eid, batch.layers, [listed[0], (listed[1][0], listed[1][1], listed[1][2] + stray)])
+    published = write_batch_files(db.root, eid, "other", hashes[:1], {k: v[:1] for k, v in vecs.items()}, "float32",
+                                  max_file_bytes=1)
+    db.publish_parts(eid, batch.layers, [(f["part_id"], f["relpath"], f["prompt_hashes"]) for f in published])
+    with pytest.raises(StoreError, match="part split-0: 1 prompts already have"):
+        db.publish_parts(eid, batch.layers, listed)  # the first file clashes: the second is not published either
+    assert table(db, "SELECT part_id FROM parts") == [("other",)]
+
+    db.publish_parts(eid, [2], listed)  # another layer for the same prompts is fine
+    rows = table(db, "SELECT part_id, count(*) FROM part_prompts GROUP BY ALL ORDER BY part_id")
+    assert rows == [("other", 1), ("split-0", len(files[0]["prompt_hashes"])), ("split-1", len(files[1]["prompt_hashes"]))]
+    with pytest.raises(StoreError, match="part split-0 is already published"):
+        db.publish_parts(eid, [2], listed)

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from layertap.writer import write_part
+from layertap.writer import file_row_ranges, write_batch_files, write_part
 
 HASHES = ["a" * 64, "b" * 64, "c" * 64]
 
@@ -75,3 +75,50 @@ def test_ids_must_be_plain_file_names(tmp_path, extraction_id, part_id):
 def test_unknown_dtype(tmp_path):
     with pytest.raises(ValueError, match="dtype"):
         write_part(tmp_path, "e", "p", HASHES, vectors([0]), "int8")
+
+
+@pytest.mark.parametrize(
+    "rows, row_bytes, limit, most, expected",
+    [
+        (10, 100, 10_000, 8, [(0, 10)]),  # fits in one file
+        (10, 100, 500, 8, [(0, 5), (5, 10)]),
+        (10, 100, 300, 8, [(0, 2), (2, 5), (5, 8), (8, 10)]),  # even sizes, none over the limit
+        (10, 100, 1, 3, [(0, 3), (3, 7), (7, 10)]),  # never more files than threads to encode them
+        (2, 100, 1, 8, [(0, 1), (1, 2)]),  # never an empty file
+        (0, 100, 1, 8, []),
+    ],
+)
+def test_batches_split_into_even_row_ranges_under_the_file_limit(rows, row_bytes, limit, most, expected):
+    assert file_row_ranges(rows, row_bytes, limit, most) == expected
+
+
+def test_a_large_batch_is_written_as_several_files_holding_its_rows_in_order(tmp_path):
+    hashes = [f"{i:064x}" for i in range(10)]
+    vecs = vectors([0, 3], n=10, hidden=4)  # 2 layers x 4 float32: 32 bytes per row, 320 in all
+    files = write_batch_files(tmp_path, "e", "p", hashes, vecs, "float32", max_file_bytes=100, max_files=3)
+    assert [f["part_id"] for f in files] == ["p-0", "p-1", "p-2"]
+    assert [f["prompt_hashes"] for f in files] == [hashes[0:3], hashes[3:7], hashes[7:10]]
+    tables = [pq.read_table(tmp_path / f["relpath"]) for f in files]
+    assert [t["prompt_hash"].to_pylist() for t in tables] == [f["prompt_hashes"] for f in files]
+    for layer in (0, 3):
+        got = np.concatenate([np.asarray(t[f"layer_{layer}"].combine_chunks().flatten()).reshape(-1, 4) for t in tables])
+        np.testing.assert_array_equal(got, vecs[layer])
+    again = write_batch_files(tmp_path, "e", "p", hashes, vecs, "float32", max_file_bytes=100, max_files=3)
+    assert [f["relpath"] for f in again] == [f["relpath"] for f in files]  # a retry replaces, never adds
+    assert len(list((tmp_path / "parts" / "e").iterdir())) == 3
+
+
+def test_a_small_batch_stays_one_file_named_by_its_part_id(tmp_path):
+    files = write_batch_files(tmp_path, "e", "p", HASHES, vectors([0]), "float32", max_file_bytes=10**6)
+    assert files == [{"part_id": "p", "prompt_hashes": HASHES, "relpath": "parts/e/p.parquet"}]
+
+
+def test_a_file_that_fails_fails_the_batch_after_the_others_finish(tmp_path):
+    hashes = [f"{i:064x}" for i in range(4)]
+    vecs = vectors([0], n=4)
+    vecs[1] = np.zeros((3, 4), np.float32)  # a layer one row short: its last range cannot be written
+    with pytest.raises(ValueError, match="one \\[1, hidden\\] array per layer"):
+        write_batch_files(tmp_path, "e", "p", hashes, vecs, "float32", max_file_bytes=1, max_files=4)
+    assert not list((tmp_path / "staging").iterdir())
+    written = sorted(p.name for p in (tmp_path / "parts" / "e").iterdir())
+    assert written == ["p-0.parquet", "p-1.parquet", "p-2.parquet"]  # left unpublished, for a retry to replace
