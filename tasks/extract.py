@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -91,17 +92,21 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
     part_id = part_id_for(batch["extraction_id"], layers, batch["prompt_hashes_digest"])
     files, problem = [], None
     if kept:
-        # Values are checked here, in memory, so the published part never has to be read back whole;
-        # a failing part is still written, for validate-batch to quarantine and report.
-        try:
-            checks.check_vectors(result.vectors, layers, len(kept), runner.hidden_size)
-        except ValidationError as exc:
-            problem = str(exc)
+        # Values are checked in memory while the files are encoded (both only read the vectors), so the
+        # published part never has to be read back whole; a failing part is still written, for
+        # validate-batch to quarantine and report.
+        side = ThreadPoolExecutor(1, thread_name_prefix="layertap-check")
+        checked = side.submit(checks.check_vectors, result.vectors, layers, len(kept), runner.hidden_size)
         try:
             files = write_batch_files(store, batch["extraction_id"], part_id, kept, result.vectors, settings.dtype,
                                       max_file_bytes=int(settings.part_file_mb * 1e6))
         finally:
+            side.shutdown()  # the check is done with the vectors before their buffer is handed back
             result.release()
+        try:
+            checked.result()
+        except ValidationError as exc:
+            problem = str(exc)
     logger.info(
         "extract batch %s: %d prompts x %d layers in %.2fs (%d tokens), %d rejected -> %d files",
         batch["batch_id"],
