@@ -168,15 +168,15 @@ class PhaseTimes:
 
         import flows.pipeline as pipeline
 
-        self.seconds = {"engine": 0.0, "check_values": 0.0, "write_part": 0.0}
+        self.seconds = {"engine": 0.0, "check_values": 0.0, "write_files": 0.0}
         self.flow_steps = {name: 0.0 for name in self.FLOW_STEPS}
         self._lock, self._module, self._pipeline = threading.Lock(), extract_task, pipeline
         self._originals = {"extract_splitting": extract_task.extract_splitting,
-                           "write_part": extract_task.write_part}
+                           "write_batch_files": extract_task.write_batch_files}
         self._flow_originals = {name: getattr(pipeline, name) for name in self.FLOW_STEPS}
         self._check = extract_task.checks.check_vectors
         extract_task.extract_splitting = self._timed("engine", extract_task.extract_splitting)
-        extract_task.write_part = self._timed("write_part", extract_task.write_part)
+        extract_task.write_batch_files = self._timed("write_files", extract_task.write_batch_files)
         extract_task.checks.check_vectors = self._timed("check_values", self._check)
         for name, fn in self._flow_originals.items():
             setattr(pipeline, name, self._timed(name, fn, self.flow_steps))
