@@ -3,12 +3,15 @@
 On short prompts the flow turns out more float32 per second than one writer thread can encode (a 7B
 model's 33 layers are 553 MB per 1024 prompts), so part writing, not the engine, bounds it. This times
 `layertap.writer.write_part` (the flow's own writer: byte-stream split, LZ4, page checksums, fsync,
-rename) with 1, 2, 4 and 8 parts written at once, next to a plain sequential file write of the same
-bytes, into a directory of your choice (the store's disk, or /dev/shm to leave the disk out). Values are
-bfloat16 widened to float32, as the flow stores a bfloat16 engine's output. Writes
-bench/results/write_parts-<date>.json.
+rename) with 1, 2, 4, 8 and 16 parts written at once (up to twice the cores), whole batches through
+`write_batch_files` (split into files encoded in parallel, as the flow writes them) one and three at a
+time, and other encodings of one part, next to a plain sequential file write of the same bytes, into a
+directory of your choice (the store's disk, or /dev/shm to leave the disk out). Values are bfloat16
+widened to float32, as the flow stores a bfloat16 engine's output. Writes
+bench/results/write_parts-<date>[-tag].json.
 
     .venv/bin/python bench/write_parts.py [--dir /path/on/the/store/disk] [--prompts 1024] [--no-save]
+        [--out FOLDER] [--tag TAG]
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_stages import machine  # noqa: E402
 
-from layertap.writer import write_part  # noqa: E402
+from layertap.settings import Settings  # noqa: E402
+from layertap.writer import write_batch_files, write_part  # noqa: E402
 
 LAYERS, HIDDEN = 33, 4096
 
@@ -52,6 +56,23 @@ def timed_parts(root: Path, vectors: dict[int, np.ndarray], concurrent: int) -> 
     for path in store.rglob("*.parquet"):
         path.unlink()
     return seconds
+
+
+def timed_batches(root: Path, vectors: dict[int, np.ndarray], concurrent: int) -> tuple[float, int]:
+    """Seconds to write `concurrent` batches at once through `write_batch_files` (each split into files of
+    at most the default `part_file_mb`, encoded by the shared pool), and the files each batch became."""
+    hashes = [f"{i:064x}" for i in range(next(iter(vectors.values())).shape[0])]
+    store = Path(tempfile.mkdtemp(prefix="batches-", dir=root))
+    limit = int(Settings.model_fields["part_file_mb"].default * 1e6)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrent) as pool:
+        written = list(pool.map(
+            lambda k: write_batch_files(store, "bench", f"batch{k}", hashes, vectors, "bfloat16", limit),
+            range(concurrent)))
+    seconds = time.perf_counter() - start
+    for path in store.rglob("*.parquet"):
+        path.unlink()
+    return seconds, len(written[0])
 
 
 def timed_plain_write(root: Path, vectors: dict[int, np.ndarray]) -> float:
@@ -119,6 +140,9 @@ def main() -> int:
     rows = {"plain_write_1_part": timed_plain_write(root, vectors)}
     for concurrent in (1, 2, 4, 8, 16)[: 1 + max(1, (os.cpu_count() or 1)).bit_length()]:
         rows[f"write_part_x{concurrent}"] = timed_parts(root, vectors, concurrent)
+    files = 1
+    for concurrent in (1, 3):
+        rows[f"write_batch_files_x{concurrent}"], files = timed_batches(root, vectors, concurrent)
     encodings = {name: timed_encoding(root, vectors, options) for name, options in ENCODINGS.items()}
     report = {
         "date": dt.date.today().isoformat(),
@@ -126,6 +150,7 @@ def main() -> int:
         "command": "python " + " ".join(sys.argv),
         "dir": str(root),
         "part": {"prompts": args.prompts, "layers": LAYERS, "hidden": HIDDEN, "float32_mb": round(part_mb, 1)},
+        "files_per_batch": files,
         "seconds": {name: round(s, 3) for name, s in rows.items()},
         "float32_mb_per_s": {name: round(part_mb * (int(name.rsplit("x", 1)[1]) if "_x" in name else 1) / s, 1)
                              for name, s in rows.items()},
