@@ -60,7 +60,7 @@ class Registry:
         root = Path(store_dir).expanduser().resolve()
         if not create and not (root / DB_NAME).is_file():
             raise StoreError(f"{root}: not a layertap store (no {DB_NAME})")
-        self.db = StoreDB(root)
+        self.db = StoreDB(root).prepare()  # a store of another version is refused here, not mid-command
         self.root = self.db.root
 
     def add_files(self, name: str, files: list[str], text_column: str, options: dict, given: set[str]) -> Added:

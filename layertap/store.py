@@ -427,20 +427,43 @@ class StoreDB:
         self.db_path = self.root / DB_NAME
         for sub in ("parts", "staging"):
             make_dirs(self.root / sub)
-        with self._connect() as con:
-            con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)")
-            if _one(con, "SELECT count(*) FROM meta")[0] == 0:
-                con.execute(_SCHEMA)
-                con.execute(
-                    "INSERT INTO meta VALUES ('schema_version', ?), ('store_uuid', ?)",
-                    [SCHEMA_VERSION, str(uuid.uuid4())],
-                )
-            _upgrade(con, self.db_path)
-            self.store_uuid = _one(con, "SELECT value FROM meta WHERE key = 'store_uuid'")[0]
-        drop_world_write(self.db_path)
+        self._store_uuid: str | None = None
+
+    def prepare(self) -> StoreDB:
+        """Create, upgrade or refuse the store now rather than on its first use."""
+        if self._store_uuid is None:
+            self._connect().close()
+        return self
+
+    @property
+    def store_uuid(self) -> str:
+        """The id the store got when it was created (a recreated store gets another)."""
+        return self.prepare()._store_uuid
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
-        return _connect(self.db_path)
+        """A connection to the store; the first one also creates, upgrades or refuses it. Done then rather
+        than on construction: opening the database file costs tens of milliseconds, and a task's StoreDB
+        usually serves one operation."""
+        con = _connect(self.db_path)
+        if self._store_uuid is None:
+            try:
+                self._prepare(con)
+            except BaseException:
+                con.close()
+                raise
+        return con
+
+    def _prepare(self, con: duckdb.DuckDBPyConnection) -> None:
+        con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)")
+        if _one(con, "SELECT count(*) FROM meta")[0] == 0:
+            con.execute(_SCHEMA)
+            con.execute(
+                "INSERT INTO meta VALUES ('schema_version', ?), ('store_uuid', ?)",
+                [SCHEMA_VERSION, str(uuid.uuid4())],
+            )
+        _upgrade(con, self.db_path)
+        self._store_uuid = _one(con, "SELECT value FROM meta WHERE key = 'store_uuid'")[0]
+        drop_world_write(self.db_path)
 
     def ingest(self, paths: list[str], text_column: str) -> IngestReport:
         """Record every row of the given files; unchanged files are skipped, changed ones replace their rows.

@@ -69,7 +69,7 @@ def test_runs_are_recorded_and_reported(tmp_path):
 
 def test_a_version_1_store_is_readable_and_upgraded_by_a_writer(tmp_path):
     store = tmp_path / "store"
-    StoreDB(store)
+    StoreDB(store).prepare()
     with duckdb.connect(str(store / DB_NAME)) as con:  # what a store made before the registry looks like
         con.execute("DROP TABLE datasets; DROP TABLE dataset_sources; DROP TABLE runs")
         con.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
@@ -81,7 +81,7 @@ def test_a_version_1_store_is_readable_and_upgraded_by_a_writer(tmp_path):
 
 def test_an_unknown_store_version_is_a_clear_error(tmp_path):
     store = tmp_path / "store"
-    StoreDB(store)
+    StoreDB(store).prepare()
     with duckdb.connect(str(store / DB_NAME)) as con:
         con.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
     with pytest.raises(StoreError, match="schema version 99; this layertap needs 2"):

@@ -57,7 +57,7 @@ def table(db: StoreDB, sql: str) -> list[tuple]:
 
 @pytest.fixture
 def db(tmp_path) -> StoreDB:
-    return StoreDB(tmp_path / "store")
+    return StoreDB(tmp_path / "store").prepare()
 
 
 @pytest.fixture
@@ -466,11 +466,13 @@ def test_embeddings_read_only_the_requested_layer(db, tmp_path):
 
 
 def test_schema_version_is_checked(tmp_path):
-    db = StoreDB(tmp_path / "s")
+    db = StoreDB(tmp_path / "s").prepare()
     with duckdb.connect(str(db.db_path)) as con:
         con.execute("UPDATE meta SET value = '0' WHERE key = 'schema_version'")
     with pytest.raises(StoreError, match="schema version 0"):
-        StoreDB(tmp_path / "s")
+        StoreDB(tmp_path / "s").prepare()
+    with pytest.raises(StoreError, match="schema version 0"):
+        StoreDB(tmp_path / "s").normalise(RULES)
     with pytest.raises(StoreError, match="schema version 0"):
         Store(tmp_path / "s")
     with pytest.raises(StoreError, match="not a layertap store"):
@@ -536,3 +538,16 @@ def test_a_batch_written_as_several_files_is_published_whole_or_not_at_all(db, i
     assert rows == [("other", 1), ("split-0", len(files[0]["prompt_hashes"])), ("split-1", len(files[1]["prompt_hashes"]))]
     with pytest.raises(StoreError, match="part split-0 is already published"):
         db.publish_parts(eid, [2], listed)
+
+
+def test_a_store_handle_opens_the_database_once_per_operation(tmp_path, inputs, monkeypatch):
+    """Opening the file is a task's main fixed cost: making the handle opens nothing, an operation once."""
+    path = tmp_path / "fresh"
+    handle = StoreDB(path)
+    assert not handle.db_path.exists()
+    eid, batches = ingest_and_plan(handle, inputs)
+    opened, real_connect = [], duckdb.connect
+    monkeypatch.setattr(duckdb, "connect", lambda *args, **kwargs: opened.append(args) or real_connect(*args, **kwargs))
+    hashes, _ = StoreDB(path).batch_prompts(batches[0].batch_id)
+    assert len(opened) == 1 and len(hashes) == batches[0].num_prompts
+    assert StoreDB(path).store_uuid == handle.store_uuid and len(opened) == 2
