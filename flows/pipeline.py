@@ -94,35 +94,42 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
         watch = ProgressArtifact(dataset, planned, len(batches))
         elapsed = run_progress.stopwatch()
         # At most `batches_in_flight` extractions run at once (each holds its vectors in host memory until
-        # written): the engine stays busy on the next batches while the oldest one is written, validated
-        # and published (publishing stays in batch order).
-        in_flight: deque = deque()
+        # written). The next batch is submitted as soon as the oldest one's extraction returns, before that
+        # one is validated and published, so the engine never waits on the flow's own steps; publishing
+        # stays in batch order.
+        waiting, in_flight = deque(batches), deque()
+
+        def fill() -> None:
+            while waiting and len(in_flight) < settings.batches_in_flight:
+                batch = waiting.popleft()
+                in_flight.append((batch, extract_batch.submit(store_dir, key["store_uuid"], batch, settings)))
+
         phase_started = time.perf_counter()
         with run_progress.listen(watch):
-            for batch in [*batches, None]:
-                while in_flight and (batch is None or len(in_flight) >= settings.batches_in_flight):
-                    done_batch, future = in_flight.popleft()
-                    done += done_batch["num_prompts"]
-                    try:
-                        part = _extracted(future, store_dir, key["store_uuid"], done_batch, settings)
-                    except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
-                        error = " ".join(f"{type(exc).__name__}: {exc}".split())
-                        quarantined.append(quarantine_batch(store_dir, done_batch, error))
-                        if not succeeded and len(quarantined) >= MAX_FAILURES_BEFORE_SUCCESS:
-                            raise EngineError(
-                                f"the first {len(quarantined)} batches all failed; last error: {error}"
-                            ) from None
-                        continue
-                    validate_batch(store_dir, part, key["hidden_size"], settings, parity=succeeded == 0)
-                    published = publish_batch(store_dir, part)
-                    succeeded += 1
-                    embedded += published["published"]
-                    refused += published["rejected"]
-                    tokens += part.get("num_tokens", 0)
-                    finished = len(quarantined) + succeeded
-                    run_progress.report(run_progress.Progress(finished, len(batches), done, planned, elapsed()))
-                if batch is not None:
-                    in_flight.append((batch, extract_batch.submit(store_dir, key["store_uuid"], batch, settings)))
+            fill()
+            while in_flight:
+                done_batch, future = in_flight.popleft()
+                done += done_batch["num_prompts"]
+                try:
+                    part = _extracted(future, store_dir, key["store_uuid"], done_batch, settings)
+                except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
+                    error = " ".join(f"{type(exc).__name__}: {exc}".split())
+                    quarantined.append(quarantine_batch(store_dir, done_batch, error))
+                    if not succeeded and len(quarantined) >= MAX_FAILURES_BEFORE_SUCCESS:
+                        raise EngineError(
+                            f"the first {len(quarantined)} batches all failed; last error: {error}"
+                        ) from None
+                    fill()
+                    continue
+                fill()
+                validate_batch(store_dir, part, key["hidden_size"], settings, parity=succeeded == 0)
+                published = publish_batch(store_dir, part)
+                succeeded += 1
+                embedded += published["published"]
+                refused += published["rejected"]
+                tokens += part.get("num_tokens", 0)
+                finished = len(quarantined) + succeeded
+                run_progress.report(run_progress.Progress(finished, len(batches), done, planned, elapsed()))
         # Batches overlap, so the extraction phase is timed on the wall clock, not summed per batch.
         extract_seconds = time.perf_counter() - phase_started if batches else 0.0
         ledger = validate_store(store_dir, key["rules_id"], eid, layer_list, sources)
