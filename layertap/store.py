@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
+import pyarrow.dataset as ds
 
 from layertap import faults
 from layertap.errors import InputError, StoreError
@@ -274,6 +275,16 @@ def _upgrade(con: duckdb.DuckDBPyConnection, db_path: Path) -> None:
     con.execute(_ADDED_IN_2)
     con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [SCHEMA_VERSION])
     con.commit()
+
+
+def _rows_in_order(vectors: pa.ChunkedArray, order: pa.Array) -> pa.Array:
+    """Reorder fixed-size-list rows as whole numpy rows: Arrow's take copies them value by value, ~20x
+    slower on a layer of a 7B model."""
+    whole = vectors.combine_chunks()
+    if whole.null_count:
+        return whole.take(order)
+    values = np.asarray(whole.flatten()).reshape(len(whole), whole.type.list_size)
+    return pa.FixedSizeListArray.from_arrays(pa.array(values[np.asarray(order)].reshape(-1)), type=whole.type)
 
 
 def _sorted_layers(layers: list[int]) -> list[int]:
@@ -902,15 +913,17 @@ class Store:
             if not paths:
                 raise StoreError(f"{self.root}: layer {layer} has no results for extraction {eid}")
             column = layer_column(layer)
-            vectors = pa.concat_tables(
-                pq.ParquetFile(self.root / path).read(columns=["prompt_hash", column]) for path in paths
+            # The parts' files are read in parallel (a large batch is several files).
+            vectors = ds.dataset([str(self.root / path) for path in paths], format="parquet").to_table(
+                columns=["prompt_hash", column]
             )
             con.register("wanted", vectors.select(["prompt_hash"]))
             texts = con.sql("SELECT prompt_hash, text FROM prompts SEMI JOIN wanted USING (prompt_hash)")
             texts = texts.to_arrow_table()
-        text = texts["text"].take(pc.index_in(vectors["prompt_hash"], value_set=texts["prompt_hash"]))
-        table = pa.table({"prompt_hash": vectors["prompt_hash"], "text": text, "embedding": vectors[column]})
-        return table.sort_by("prompt_hash")
+        order = pc.sort_indices(vectors["prompt_hash"])
+        hashes = vectors["prompt_hash"].take(order)
+        text = texts["text"].take(pc.index_in(hashes, value_set=texts["prompt_hash"]))
+        return pa.table({"prompt_hash": hashes, "text": text, "embedding": _rows_in_order(vectors[column], order)})
 
     def ledger(
         self, layers: list[int] | None = None, *, model: str | None = None, pooling: str | None = None,

@@ -551,3 +551,20 @@ def test_a_store_handle_opens_the_database_once_per_operation(tmp_path, inputs, 
     hashes, _ = StoreDB(path).batch_prompts(batches[0].batch_id)
     assert len(opened) == 1 and len(hashes) == batches[0].num_prompts
     assert StoreDB(path).store_uuid == handle.store_uuid and len(opened) == 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_layer_read_from_many_files_comes_back_sorted_by_prompt_with_its_own_vectors(db, inputs, dtype):
+    eid, (batch, *_) = ingest_and_plan(db, inputs, layers=(0, 1), batch_size=100)
+    hashes, _ = db.batch_prompts(batch.batch_id)
+    hashes = hashes[::-1]  # files hold rows in the engine's order, not the store's
+    vecs = {layer: np.stack([vector(h, layer) for h in hashes]) for layer in batch.layers}
+    files = write_batch_files(db.root, eid, "many", hashes, vecs, dtype, max_file_bytes=1, max_files=3)
+    db.publish_parts(eid, batch.layers, [(f["part_id"], f["relpath"], f["prompt_hashes"]) for f in files])
+    table = Store(db.root).embeddings(layer=1)
+    assert len(files) == 3 and table["prompt_hash"].to_pylist() == sorted(hashes)
+    assert table.schema.field("embedding").type == pq.read_schema(db.root / files[0]["relpath"]).field("layer_1").type
+    got = np.asarray(table["embedding"].combine_chunks().flatten()).reshape(len(hashes), HIDDEN)
+    np.testing.assert_array_equal(got, np.stack([vector(h, 1) for h in sorted(hashes)]).astype(dtype))
+    texts = dict(zip(*db.batch_prompts(batch.batch_id)))
+    assert table["text"].to_pylist() == [texts[h] for h in sorted(hashes)]
