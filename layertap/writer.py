@@ -119,8 +119,12 @@ _POOL_LOCK = threading.Lock()
 
 
 def encoder_threads() -> int:
-    """Files encoded at once in this process, across all batches: one per core (Arrow's encoder holds no GIL)."""
-    return max(1, os.cpu_count() or 1)
+    """Files encoded at once in this process, across all batches: one per core it may run on (Arrow's
+    encoder holds no GIL)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity API on this platform
+        return max(1, os.cpu_count() or 1)
 
 
 def _encoders() -> ThreadPoolExecutor:
