@@ -1,82 +1,136 @@
-"""Reusable host buffers that captured vectors are copied into.
+"""Reusable host buffers that captured vectors are copied into, shared with the engine's process.
 
-A device-to-host copy only runs asynchronously into page-locked memory, and locking pages is slow: a
-fresh pinned buffer per batch costs tens of milliseconds per hundred megabytes, and PyTorch's pinned
-allocator rounds every request up to a power of two, so a 553 MB batch holds 1 GiB resident. Buffers here
-are allocated at their exact size, locked once (`cudaHostRegister`), handed back by the caller when its
-vectors are written, and reused by later batches.
+vLLM's engine core runs in a process of its own; its worker copies each finished prompt's vectors from
+the device straight into one of these buffers, so hundreds of megabytes per batch never travel through
+vLLM's output messages. Each buffer is a file in shared memory (`/dev/shm` when there is room, else the
+temporary directory) mapped by both processes: the caller reads and writes Parquet from its mapping, the
+worker maps it once by path and locks its pages for asynchronous device-to-host copies.
+
+Buffers are allocated at their exact size, handed back by the caller when its vectors are written, and
+reused by later batches. A buffer dropped from the pool is unlinked; the worker forgets mappings whose
+file is gone.
 """
 
 from __future__ import annotations
 
+import errno
 import math
+import os
+import shutil
+import tempfile
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 
+SHARED_MEMORY = "/dev/shm"
 
-def _unregister(pointer: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(pointer)
+
+@dataclass(eq=False)
+class Segment:
+    """One shared host buffer: its file and this process's float32 mapping of it."""
+
+    path: str
+    tensor: torch.Tensor
+
+    def numel(self) -> int:
+        return self.tensor.numel()
+
+
+def map_segment(path: str) -> torch.Tensor:
+    """The whole file at `path` as a flat float32 tensor whose writes the other process sees."""
+    numel = os.path.getsize(path) // 4
+    return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
 
 
 class HostBuffers:
-    """A pool of float32 host buffers; at most `keep` idle ones are held between batches."""
+    """A pool of shared float32 host buffers; at most `keep` idle ones are held between batches."""
 
-    def __init__(self, pinned: bool, keep: int = 4):
-        self.pinned = pinned
+    def __init__(self, keep: int = 4, directory: str | None = None):
         self.keep = keep
-        self._idle: list[torch.Tensor] = []
-        self._live: weakref.WeakSet = weakref.WeakSet()  # every buffer still referenced, idle or not
+        parent = directory or (SHARED_MEMORY if os.access(SHARED_MEMORY, os.W_OK) else tempfile.gettempdir())
+        self.directory = tempfile.mkdtemp(prefix="layertap-host-", dir=parent)
+        self._removal = weakref.finalize(self, shutil.rmtree, self.directory, True)
+        self._idle: list[Segment] = []
         self._lock = threading.Lock()
+        self._names = 0
+        self._live: weakref.WeakSet = weakref.WeakSet()  # every segment still referenced, idle or not
         self.allocated = 0  # buffers created so far, for tests and benchmarks
 
     def reserve(self, shape: tuple[int, ...], count: int) -> None:
-        """Make sure `count` buffers that hold `shape` exist, allocating the missing ones now: locking pages
-        while the engine runs competes with it for the driver, so callers reserve before work starts."""
+        """Make sure `count` buffers that hold `shape` exist, allocating the missing ones now rather than
+        while the engine runs."""
         need = math.prod(shape)
         with self._lock:
             self.keep = max(self.keep, count)
-            missing = count - sum(1 for b in self._live if b.numel() >= need)
+            missing = count - sum(1 for s in self._live if s.numel() >= need)
             self._idle.extend(self._allocate(need) for _ in range(max(0, missing)))
 
-    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A [shape] float32 view and the buffer behind it (to `give_back` once the view is no longer read)."""
+    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, Segment]:
+        """A [shape] float32 view and the segment behind it (to `give_back` once the view is no longer read)."""
         need = math.prod(shape)
         with self._lock:
-            fitting = [b for b in self._idle if b.numel() >= need]
-            buffer = min(fitting, key=torch.Tensor.numel) if fitting else None
-            if buffer is not None:
-                self._forget(buffer)
-        if buffer is None:
-            buffer = self._allocate(need)
-        return buffer[:need].view(shape), buffer
+            fitting = [s for s in self._idle if s.numel() >= need]
+            segment = min(fitting, key=Segment.numel) if fitting else None
+            if segment is not None:
+                self._idle.remove(segment)
+            else:
+                segment = self._allocate(need)
+        return segment.tensor[:need].view(shape), segment
 
-    def give_back(self, buffer: torch.Tensor) -> None:
+    def give_back(self, segment: Segment) -> None:
         with self._lock:
-            if any(b is buffer for b in self._idle):
+            if segment in self._idle:
                 return
-            self._idle.append(buffer)
+            self._idle.append(segment)
             if len(self._idle) > self.keep:  # drop the smallest: big batches are the ones worth reusing
-                self._forget(min(self._idle, key=torch.Tensor.numel))
-
-    def _forget(self, buffer: torch.Tensor) -> None:
-        # By identity: `list.remove` would compare tensors element by element.
-        self._idle = [b for b in self._idle if b is not buffer]
+                dropped = min(self._idle, key=Segment.numel)
+                self._idle.remove(dropped)
+                _unlink(dropped.path)
 
     def clear(self) -> None:
+        """Drop every buffer: idle ones now; files of busy ones too (their mappings stay readable)."""
         with self._lock:
             self._idle.clear()
+            self._removal()
 
-    def _allocate(self, numel: int) -> torch.Tensor:
-        buffer = torch.empty(max(numel, 1), dtype=torch.float32)
+    def _allocate(self, numel: int) -> Segment:
+        self._names += 1
+        path = os.path.join(self.directory, f"b{self._names}")
+        nbytes = max(numel, 1) * 4
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # Claim the space now: touching an unbacked page of a full tmpfs later would kill the process.
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            os.close(fd)
+            _unlink(path)
+            if exc.errno != errno.ENOSPC or not self.directory.startswith(SHARED_MEMORY):
+                raise
+            self._move_to_temporary_directory()
+            return self._allocate(numel)
+        os.close(fd)
+        segment = Segment(path, map_segment(path))
         self.allocated += 1
-        self._live.add(buffer)
-        if self.pinned:
-            pointer, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
-            status = torch.cuda.cudart().cudaHostRegister(pointer, size, 0)
-            if int(status) != 0:
-                raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {int(status)}")
-            # Unlocked when the buffer is collected; views handed out keep the memory itself alive.
-            weakref.finalize(buffer, _unregister, pointer)
-        return buffer
+        self._live.add(segment)
+        return segment
+
+    def _move_to_temporary_directory(self) -> None:
+        """Shared memory is full: later buffers live in the temporary directory (page cache, same sharing)."""
+        self._removal.detach()
+        previous = self.directory
+        self.directory = tempfile.mkdtemp(prefix="layertap-host-", dir=tempfile.gettempdir())
+        self._removal = weakref.finalize(self, _remove_both, previous, self.directory)
+
+
+def _remove_both(first: str, second: str) -> None:
+    shutil.rmtree(first, True)
+    shutil.rmtree(second, True)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

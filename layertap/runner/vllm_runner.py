@@ -4,6 +4,12 @@ Prompts are tokenised by the caller (one fast batch call) and handed to vLLM as 
 can be checked against the ids it was asked for: vLLM returns outputs under its own request ids and this
 runner verifies the match instead of trusting positions.
 
+On a GPU, vLLM's engine core runs in a process of its own (as in vLLM's own `LLM`): scheduling, the
+model and layertap's pooler run there, while this process tokenises, builds requests and writes results,
+so neither waits on the other's Python. On a CPU it stays in this process unless
+`EngineOptions.engine_process` asks otherwise. Either way captured vectors reach this process through
+shared host buffers (`host_buffers`), not through vLLM's output messages.
+
 One thread owns the engine and keeps it fed: `extract` calls from any number of threads queue their
 prompts, the engine thread adds them to vLLM as soon as they arrive and steps the engine while any
 request is unfinished. Batches therefore flow into each other without draining the engine between them,
@@ -27,17 +33,14 @@ import torch
 from layertap.errors import EngineError
 from layertap.model_fingerprint import read_model_info
 from layertap.runner.base import POOLINGS, Extraction
-from layertap.runner.host_buffers import HostBuffers
+from layertap.runner.host_buffers import HostBuffers, Segment
 from layertap.runner.vllm_compat import (
+    EXTENSION,
     SINK_KEY,
-    CaptureSpec,
-    Sink,
     add_prepared,
-    capture_pooler,
     check_vllm,
-    install_capture,
     prepare_requests,
-    taps_at_load,
+    sink_reference,
 )
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,10 @@ class EngineOptions:
     load_format: str | None = None
     kv_cache_memory_bytes: int | None = None
     seed: int = 0
+    # vLLM's engine core in a process of its own; by default on a GPU, where this process's Python would
+    # otherwise hold the engine back, and not on a CPU, where the model's compute dominates and a second
+    # process costs start-up time and cores.
+    engine_process: bool | None = None
 
 
 @dataclass
@@ -71,11 +78,10 @@ class _Job:
     key: str
     capture: tuple[tuple[int, ...], str]
     token_ids: list[list[int]]
-    sink: Sink | None
+    segment: Segment  # the shared host buffer its vectors are copied into
     requests: list = field(default_factory=list)  # vLLM's requests, built in the caller's thread
     future: Future = field(default_factory=Future)
     slots: list[int | None] = field(default_factory=list)
-    vectors: list[torch.Tensor | None] = field(default_factory=list)
     remaining: int = 0
 
 
@@ -96,10 +102,9 @@ class VllmRunner:
         if options.dtype not in DTYPES:
             raise EngineError(f"dtype: expected one of {', '.join(DTYPES)}, got {options.dtype!r}")
         on_cpu = _on_cpu()
-        # Keep the engine core in this process: the capture pooler is installed by calling into the
-        # workers, which across a process boundary would need vLLM's pickle-based serialisation.
-        # Tensor-parallel workers still get their own processes from vLLM's executor.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Read by vLLM when the engine starts, below.
+        self.engine_process = not on_cpu if options.engine_process is None else options.engine_process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.engine_process else "0"
         # Compiled graphs include layertap's capture op: keep them apart from vLLM's own compile cache.
         os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(os.path.expanduser("~"), ".cache", "layertap", "vllm"))
         from transformers import AutoTokenizer
@@ -108,9 +113,8 @@ class VllmRunner:
         self.tokenizer = AutoTokenizer.from_pretrained(
             options.model, trust_remote_code=options.trust_remote_code
         )
-        # The model is tapped while it loads, so torch.compile traces the capture into its graph; workers
-        # of a tensor-parallel engine live in other processes and are tapped after loading, which only
-        # eager mode honours.
+        # The model is tapped while it loads (see vllm_compat.CaptureWorker), so torch.compile traces the
+        # capture into its graph. Tensor-parallel engines run eagerly unless asked otherwise.
         eager = options.tensor_parallel_size > 1 if options.enforce_eager is None else options.enforce_eager
         kwargs = dict(
             model=options.model,
@@ -123,6 +127,7 @@ class VllmRunner:
             gpu_memory_utilization=options.gpu_memory_utilization or (0.3 if on_cpu else 0.9),
             seed=options.seed,
             enable_prefix_caching=True,
+            worker_extension_cls=EXTENSION,
         )
         if not eager:
             # The capture op reads each step's request boundaries in Python, which a replayed CUDA graph
@@ -142,8 +147,7 @@ class VllmRunner:
         self.compiled = not eager
         log.info("starting vLLM %s on %s", self.vllm_version, options.model)
         try:
-            with taps_at_load():
-                self.llm = LLM(**kwargs)
+            self.llm = LLM(**kwargs)
         except Exception as exc:
             raise EngineError(f"vLLM could not start on {options.model}: {exc}") from exc
         config = self.llm.llm_engine.vllm_config
@@ -152,11 +156,7 @@ class VllmRunner:
         self._tasks = self.llm.llm_engine.get_supported_tasks()  # asked once, here: it calls into the engine
         self.capture_buffer_bytes = 0
         self._capture: tuple[tuple[int, ...], str] | None = None
-        self._pooler = None
-        # With one worker in this process, vectors go straight into host buffers of our own; across
-        # tensor-parallel processes they travel in vLLM's outputs.
-        self._in_process = options.tensor_parallel_size == 1
-        self._host = HostBuffers(pinned=not on_cpu)
+        self._host = HostBuffers()
         self._ids = itertools.count()
         self._inbox: queue.Queue[_Job | None] = queue.Queue()
         # Held while a job is queued and while closing: no job lands in the inbox after the close signal,
@@ -203,35 +203,28 @@ class VllmRunner:
         with self._gate:
             self._check_usable()
             engine = self.llm.llm_engine
-        sink = buffer = None
-        if self._in_process:
-            vectors, buffer = self._host.take((len(layers), len(kept), self.hidden_size))
-            sink = Sink(vectors)
+        vectors, segment = self._host.take((len(layers), len(kept), self.hidden_size))
         job = _Job(key=f"j{next(self._ids)}", capture=(layers, pooling),
-                   token_ids=[token_ids[i] for i in kept], sink=sink)
+                   token_ids=[token_ids[i] for i in kept], segment=segment)
         try:
             job.requests = prepare_requests(engine, [f"{job.key}:{i}" for i in range(len(kept))],
                                             job.token_ids, self._params(job), self._tasks)
         except Exception as exc:
-            if buffer is not None:
-                self._host.give_back(buffer)  # nothing was queued on the device yet
+            self._host.give_back(segment)  # nothing was queued on the device yet
             raise EngineError(f"vLLM refused the batch's prompts: {exc}") from exc
         # After a failure the buffer is not handed back: copies into it may still be queued on the device.
         self._submit(job)
         job.future.result()
-        if sink is None:
-            stacked = torch.stack(job.vectors, dim=1).float().numpy()
-            return Extraction(self._by_layer(stacked, layers), kept, rejected, num_tokens, truncated)
         # Rows are in the order requests finished; `kept` is permuted to match, so no host-side
-        # gather of the vectors is needed.
+        # gather of the vectors is needed. vLLM hands a step's outputs on only once the copies into the
+        # host buffer have landed.
         if sorted(job.slots) != list(range(len(kept))):
             raise EngineError("capture slots do not cover every prompt exactly once")
         order = [0] * len(kept)
         for position, slot in enumerate(job.slots):
             order[slot] = kept[position]
-        sink.wait()  # the asynchronous copies into the host buffer
-        return Extraction(self._by_layer(sink.vectors.numpy(), layers), order, rejected, num_tokens, truncated,
-                          release_fn=functools.partial(self._host.give_back, buffer))
+        return Extraction(self._by_layer(vectors.numpy(), layers), order, rejected, num_tokens, truncated,
+                          release_fn=functools.partial(self._host.give_back, segment))
 
     def _submit(self, job: _Job) -> None:
         with self._gate:
@@ -304,16 +297,14 @@ class VllmRunner:
         from vllm import PoolingParams
 
         # Mean pooling needs every prompt token's hidden state, so it must not reuse cached prefixes.
+        sink = sink_reference(job.segment.path, job.key, len(job.token_ids))
         return PoolingParams(task="embed", skip_reading_prefix_cache=job.capture[1] == "mean",
-                             extra_kwargs={SINK_KEY: job.key} if job.sink is not None else None)
+                             extra_kwargs={SINK_KEY: sink})
 
     def _admit(self, job: _Job) -> None:
         self._ensure_capture(*job.capture)
-        if job.sink is not None:
-            self._pooler.sinks[job.key] = job.sink
         job.remaining = len(job.requests)
         job.slots = [None] * job.remaining
-        job.vectors = [None] * job.remaining
         engine = self.llm.llm_engine
         for request in job.requests:
             add_prepared(engine, request)
@@ -329,33 +320,23 @@ class VllmRunner:
         i = int(index.split("-")[0])
         if list(output.prompt_token_ids) != job.token_ids[i]:
             raise EngineError(f"vLLM output {output.request_id} does not belong to prompt {i} of its batch")
-        data = output.outputs.data
-        if job.sink is not None:
-            job.slots[i] = int(data.flatten()[0])
-        else:
-            job.vectors[i] = data
+        job.slots[i] = int(output.outputs.data.flatten()[0])
         job.remaining -= 1
         if job.remaining == 0:
             del active[key]
-            if self._pooler is not None:
-                self._pooler.sinks.pop(key, None)
             job.future.set_result(None)
 
     def _ensure_capture(self, layers: tuple[int, ...], pooling: str) -> None:
         if self._capture == (layers, pooling):
             return
-        spec = CaptureSpec(layers=layers, num_layers=self.num_layers, hidden_size=self.hidden_size,
-                           pooling=pooling)
-        sizes = self.llm.collective_rpc(functools.partial(install_capture, spec=spec))  # pickled for TP
+        sizes = self.llm.collective_rpc("layertap_install",
+                                        args=(list(layers), self.num_layers, self.hidden_size, pooling))
         self.capture_buffer_bytes = max(sizes)
         self._capture = (layers, pooling)
-        if self._in_process:  # the pooler object is ours to hand host buffers to
-            self._pooler = self.llm.collective_rpc(capture_pooler)[0]
 
     def reserve_host_buffers(self, prompts: int, layers: int, count: int) -> None:
-        """Lock host memory for `count` batches of up to `prompts` prompts x `layers` layers before they run."""
-        if self._in_process and self._host.pinned:
-            self._host.reserve((layers, prompts, self.hidden_size), count)
+        """Make host buffers for `count` batches of up to `prompts` prompts x `layers` layers before they run."""
+        self._host.reserve((layers, prompts, self.hidden_size), count)
 
     @property
     def host_buffers_allocated(self) -> int:

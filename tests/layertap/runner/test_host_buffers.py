@@ -1,55 +1,84 @@
-"""The host buffer pool: exact sizes, reuse of the smallest fitting buffer, a bounded idle set."""
+"""The shared host buffer pool: exact sizes, reuse of the smallest fitting buffer, a bounded idle set,
+files another process maps by path, and removal of what is dropped."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from layertap.runner.host_buffers import HostBuffers
+from layertap.runner.host_buffers import HostBuffers, map_segment
+from layertap.runner.vllm_compat import SharedBuffers
 
 
 def test_a_released_buffer_serves_any_batch_it_can_hold():
-    pool = HostBuffers(pinned=False)
-    view, buffer = pool.take((2, 3, 4))
-    assert view.shape == (2, 3, 4) and buffer.numel() == 24 and view.data_ptr() == buffer.data_ptr()
-    pool.give_back(buffer)
+    pool = HostBuffers()
+    view, segment = pool.take((2, 3, 4))
+    assert view.shape == (2, 3, 4) and segment.numel() == 24 and view.data_ptr() == segment.tensor.data_ptr()
+    pool.give_back(segment)
     smaller, again = pool.take((2, 2, 4))
-    assert again is buffer and smaller.shape == (2, 2, 4) and pool.allocated == 1
+    assert again is segment and smaller.shape == (2, 2, 4) and pool.allocated == 1
     bigger, other = pool.take((2, 5, 4))  # the held buffer is busy and too small anyway
-    assert other is not buffer and pool.allocated == 2 and bigger.is_contiguous()
+    assert other is not segment and pool.allocated == 2 and bigger.is_contiguous()
+    pool.clear()
 
 
 def test_the_smallest_fitting_buffer_is_taken_and_idle_ones_are_bounded():
-    pool = HostBuffers(pinned=False, keep=2)
-    buffers = [pool.take((n,))[1] for n in (10, 40, 20)]
-    for buffer in buffers:
-        pool.give_back(buffer)
-    pool.give_back(buffers[0])  # handing one back twice does not hold it twice
-    # Only two stay idle: the smallest was dropped.
-    assert sorted(b.numel() for b in pool._idle) == [20, 40]
+    pool = HostBuffers(keep=2)
+    segments = [pool.take((n,))[1] for n in (10, 40, 20)]
+    for segment in segments:
+        pool.give_back(segment)
+    pool.give_back(segments[0])  # handing one back twice does not hold it twice
+    # Only two stay idle: the smallest was dropped, and its file removed.
+    assert sorted(s.numel() for s in pool._idle) == [20, 40]
+    assert not os.path.exists(segments[0].path) and os.path.exists(segments[1].path)
     _, picked = pool.take((15,))
     assert picked.numel() == 20
     _, fresh = pool.take((50,))
     assert fresh.numel() == 50 and pool.allocated == 4
-
-
-def test_views_keep_their_values_until_handed_back():
-    pool = HostBuffers(pinned=False)
-    view, buffer = pool.take((3, 4))
-    view.copy_(torch.arange(12, dtype=torch.float32).view(3, 4))
-    assert view.numpy().sum() == 66
-    pool.give_back(buffer)
     pool.clear()
-    assert pool._idle == []
+
+
+def test_another_mapping_of_the_file_sees_the_writes_both_ways():
+    """The engine's worker maps a buffer by its path: what it writes is what the caller reads."""
+    pool = HostBuffers()
+    view, segment = pool.take((3, 4))
+    assert os.path.exists(segment.path)
+    other = map_segment(segment.path)
+    assert other.numel() == 12 and other.data_ptr() != view.data_ptr()
+    other.copy_(torch.arange(12, dtype=torch.float32))
+    assert view.numpy().sum() == 66
+    view[0, 0] = -1
+    assert other[0].item() == -1
+    pool.give_back(segment)
+    directory = pool.directory
+    pool.clear()
+    assert pool._idle == [] and not os.path.exists(directory)
+    assert other.sum().item() == 65  # a mapping outlives the file
 
 
 def test_reserved_buffers_serve_the_batches_that_follow():
-    """Buffers are locked before the engine starts working; reserving again allocates nothing more."""
-    pool = HostBuffers(pinned=False, keep=1)
+    """Buffers are made before the engine starts working; reserving again allocates nothing more."""
+    pool = HostBuffers(keep=1)
     pool.reserve((2, 8, 4), count=3)
     assert pool.allocated == 3 and pool.keep == 3
     taken = [pool.take((2, n, 4))[1] for n in (8, 8, 5)]
     pool.reserve((2, 8, 4), count=3)  # all three busy, but they exist
     assert pool.allocated == 3
-    for buffer in taken:
-        pool.give_back(buffer)
+    for segment in taken:
+        pool.give_back(segment)
     assert len(pool._idle) == 3  # none dropped: keep grew to the reservation
+    pool.clear()
+
+
+def test_the_worker_forgets_mappings_of_removed_buffers():
+    """The worker maps each buffer once; a buffer the caller dropped is unmapped when the next one comes."""
+    pool = HostBuffers(keep=0)
+    worker = SharedBuffers(pin=False)
+    _, first = pool.take((8,))
+    assert worker.get(first.path) is worker.get(first.path)
+    pool.give_back(first)  # keep=0: dropped and unlinked at once
+    _, second = pool.take((16,))
+    worker.get(second.path)
+    assert list(worker._maps) == [second.path]
+    pool.clear()

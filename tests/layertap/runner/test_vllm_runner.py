@@ -91,20 +91,6 @@ def test_unknown_vllm_shape_is_a_clear_error(monkeypatch):
         vllm_compat.check_vllm()
 
 
-def test_per_request_tensor_path_used_across_processes(engines, references):
-    """Tensor-parallel workers live in other processes: vectors then travel in vLLM's own outputs."""
-    runner = engines("llama")
-    prompts = varied_prompts(30, seed=4)
-    layers = [0, 1, runner.num_layers]
-    runner._in_process = False
-    try:
-        ours = runner.extract(prompts, layers, "mean")
-        assert ours.kept == list(range(len(prompts)))
-        assert_parity(ours, references("llama").extract(prompts, layers, "mean"), layers)
-    finally:
-        runner._in_process = True
-
-
 def test_concurrent_callers_share_the_engine_and_get_their_own_rows(engines, references):
     """Batches from several threads are in flight together; a call with another pooling waits its turn."""
     runner = engines("llama")
@@ -225,3 +211,25 @@ def test_a_compiled_model_without_the_tap_is_refused(model_dirs, monkeypatch):
     finally:
         llm.llm_engine.engine_core.shutdown()
 
+
+def test_an_engine_core_in_its_own_process_fills_shared_buffers_and_matches(model_dirs, references):
+    """How engines run on a GPU: the worker, in another process, copies vectors into buffers it maps by
+    path; rows map back to their prompts across calls, poolings and layer sets."""
+    import os
+
+    from layertap.runner.vllm_runner import EngineOptions, VllmRunner
+
+    runner = VllmRunner(EngineOptions(model=model_dirs["llama"], dtype=DTYPE, engine_process=True,
+                                      max_num_batched_tokens=STEP_TOKENS, kv_cache_memory_bytes=64 * 2**20))
+    try:
+        assert runner.engine_process and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+        for seed, pooling, layers in ((40, "last", [0, 2, 4]), (41, "mean", [1, 4]), (42, "last", [3])):
+            prompts = varied_prompts(50, seed=seed)
+            ours = runner.extract(prompts, layers, pooling)
+            assert sorted(ours.kept) == list(range(len(prompts)))
+            assert_parity(ours, references("llama").extract(prompts, layers, pooling), layers)
+            ours.release()
+        directory = runner._host.directory
+    finally:
+        runner.close()
+    assert not os.path.exists(directory)
