@@ -32,7 +32,7 @@ WORKLOADS = {"short": (4096, 18), "medium": (2000, 240), "short100k": (100_000, 
 SUBSET = {"hf_loop": {"short": 256, "medium": 128}, "vllm_extract_hidden_states": {"short": 1024, "medium": 200}}
 MODES = ["hf_loop", "hf_batched", "vllm_plain", "layertap", "layertap_runner", "vllm_extract_hidden_states"]
 # Not in the default set: where the runner's ceiling lies (vLLM's pooling runner with its own pooler).
-DIAGNOSTIC_MODES = ["vllm_pooling_eager", "vllm_pooling_compiled", "vllm_pooling_inprocess_async"]
+DIAGNOSTIC_MODES = ["layertap_runner_inline", "vllm_pooling_eager", "vllm_pooling_compiled", "vllm_pooling_inprocess_async"]
 BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "1024"))
 IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "3"))
 # Every vLLM-based mode runs its workload this many times on one engine and reports the last pass: the
@@ -265,7 +265,7 @@ def _extract_and_release(runner, prompts: list[str], layers: list[int]) -> int:
     return len(result.kept)
 
 
-def run_layertap_runner(model_dir: str, prompts: list[str]) -> dict:
+def run_layertap_runner(model_dir: str, prompts: list[str], engine_process: bool | None = None) -> dict:
     """The hooked runner alone: vectors for every prompt in host memory, no store. Batches are submitted
     from several threads at once, as the flow does, so the engine never drains between them."""
     from concurrent.futures import ThreadPoolExecutor
@@ -273,7 +273,8 @@ def run_layertap_runner(model_dir: str, prompts: list[str]) -> dict:
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
 
     t0 = time.perf_counter()
-    runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format="dummy"))
+    runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format="dummy",
+                                      engine_process=engine_process))
     startup = time.perf_counter() - t0
     layers = list(range(runner.num_layers + 1))
     runner.extract(prompts[:64], layers, "last").release()  # warm-up
@@ -288,7 +289,12 @@ def run_layertap_runner(model_dir: str, prompts: list[str]) -> dict:
     timing = _passes(run)
     return {**timing, "startup_s": startup, "capture_buffer_bytes": runner.capture_buffer_bytes,
             "step_tokens": runner.step_tokens, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
-            "host_buffers_allocated": runner.host_buffers_allocated}
+            "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process}
+
+
+def run_layertap_runner_inline(model_dir: str, prompts: list[str]) -> dict:
+    """The hooked runner with vLLM's engine core in the calling process (the CPU default)."""
+    return run_layertap_runner(model_dir, prompts, engine_process=False)
 
 
 def _vllm_pooling(model_dir: str, prompts: list[str], **options) -> dict:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import os
 import threading
@@ -39,6 +40,8 @@ import torch
 import torch.nn as nn
 
 from layertap.errors import EngineError
+
+log = logging.getLogger(__name__)
 
 TESTED_VERSIONS = ("0.26.0", "0.32.0")
 # PoolingParams.extra_kwargs key naming the host sink a request's vectors go to.
@@ -277,6 +280,7 @@ class SharedBuffers:
     def __init__(self, pin: bool):
         self.pin = pin
         self._maps: dict[str, torch.Tensor] = {}
+        self._pinned: set[str] = set()
 
     def get(self, path: str) -> torch.Tensor:
         mapped = self._maps.get(path)
@@ -288,8 +292,11 @@ class SharedBuffers:
             if self.pin:
                 nbytes = mapped.numel() * mapped.element_size()
                 status = torch.cuda.cudart().cudaHostRegister(mapped.data_ptr(), nbytes, 0)
-                if int(status) != 0:
-                    raise EngineError(f"cannot lock host buffer {path} ({nbytes} bytes): CUDA error {int(status)}")
+                if int(status) == 0:
+                    self._pinned.add(path)
+                else:  # copies into it still work, each one waiting until it is done
+                    log.warning("host buffer %s (%d bytes) could not be page-locked (CUDA error %d): "
+                                "device-to-host copies into it are synchronous", path, nbytes, int(status))
             self._maps[path] = mapped
         return mapped
 
@@ -297,7 +304,8 @@ class SharedBuffers:
         """Drop mappings of buffers the caller has removed (it removes only buffers no batch is using)."""
         for path in [p for p in self._maps if not os.path.exists(p)]:
             mapped = self._maps.pop(path)
-            if self.pin:
+            if path in self._pinned:
+                self._pinned.discard(path)
                 torch.cuda.cudart().cudaHostUnregister(mapped.data_ptr())
 
 
