@@ -59,6 +59,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", metavar="N", help="GPUs per engine (default: 1)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="disable graph capture in the engine")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run vLLM's engine core in a process of its own (default: on a GPU only)")
     p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
                    help="allow model folders that ship their own code")
     p.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None,
@@ -190,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 _SETTING_ARGS = (
     "input", "text_column", "model", "layers", "pooling", "dtype", "store", "remove_period", "batch_size",
     "parity_sample", "batches_in_flight", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
-    "tensor_parallel_size", "enforce_eager", "trust_remote_code", "truncate", "lock_timeout",
+    "tensor_parallel_size", "enforce_eager", "engine_process", "trust_remote_code", "truncate", "lock_timeout",
 )
 
 

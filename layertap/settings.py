@@ -65,6 +65,8 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
     enforce_eager: bool | None = None
+    # vLLM's engine core in a process of its own (default: yes on a GPU, no on a CPU).
+    engine_process: bool | None = None
     trust_remote_code: bool = False
     # "dummy" starts the engine with random weights of the model's shape: for speed runs only.
     load_format: Literal["auto", "dummy"] | None = None
@@ -100,6 +102,7 @@ class Settings(BaseSettings):
         "max_model_len",
         "gpu_memory_utilization",
         "enforce_eager",
+        "engine_process",
         mode="before",
     )
     @classmethod
@@ -145,6 +148,7 @@ class Settings(BaseSettings):
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "tensor_parallel_size": self.tensor_parallel_size,
             "enforce_eager": self.enforce_eager,
+            "engine_process": self.engine_process,
             "trust_remote_code": self.trust_remote_code,
             "load_format": self.load_format,
         }

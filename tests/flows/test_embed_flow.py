@@ -409,3 +409,18 @@ def test_extract_batch_is_a_cache_hit_for_the_same_store_only(tiny_model, tmp_pa
     first, _, _, other, _ = extract_twice(str(tmp_path / "b"))  # same batch, another store
     assert first == "Completed" and other["part_id"] == part["part_id"]
     assert (tmp_path / "b" / other["files"][0]["relpath"]).is_file()
+
+
+def test_an_engine_core_in_its_own_process_stores_the_same_vectors(run, tmp_path):
+    """How the flow runs on a GPU: vLLM's engine core in a child process, vectors through shared buffers."""
+    from layertap import Store
+
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    inline, _ = run([source], store=str(tmp_path / "inline"))
+    separate, _ = run([source], store=str(tmp_path / "separate"), engine_process=True)
+    assert separate["embedded"] == inline["embedded"] == DISTINCT
+    for layer in (0, 2, 4):
+        tables = [Store(s["store"]).embeddings(layer=layer).sort_by("prompt_hash") for s in (inline, separate)]
+        assert tables[0].column("prompt_hash").equals(tables[1].column("prompt_hash"))
+        vectors = [np.asarray(t.column("embedding").combine_chunks().flatten()) for t in tables]
+        assert np.abs(vectors[0] - vectors[1]).max() <= 1e-5, layer

@@ -21,7 +21,7 @@ def test_defaults():
     assert s.store == "./layertap-store"
     assert (s.batch_size, s.parity_sample) == (1024, 8)
     assert s.max_num_batched_tokens is None and s.max_model_len is None
-    assert s.gpu_memory_utilization is None and s.enforce_eager is None
+    assert s.gpu_memory_utilization is None and s.enforce_eager is None and s.engine_process is None
     assert (s.tensor_parallel_size, s.trust_remote_code) == (1, False)
 
 
@@ -32,12 +32,14 @@ def test_env_vars_fill_every_kind_of_field(monkeypatch):
     monkeypatch.setenv("LAYERTAP_BATCH_SIZE", "64")
     monkeypatch.setenv("LAYERTAP_GPU_MEMORY_UTILIZATION", "0.3")
     monkeypatch.setenv("LAYERTAP_ENFORCE_EAGER", "false")
+    monkeypatch.setenv("LAYERTAP_ENGINE_PROCESS", "true")
     s = load_settings(env_file=None)
     assert s.input == ["a.csv", "data/*.parquet"]
     assert s.pooling == "mean" and s.remove_period is True and s.batch_size == 64
     assert s.engine_options() == {
         "gpu_memory_utilization": 0.3,
         "enforce_eager": False,
+        "engine_process": True,
         "tensor_parallel_size": 1,
         "trust_remote_code": False,
     }
