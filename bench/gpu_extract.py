@@ -32,7 +32,8 @@ WORKLOADS = {"short": (4096, 18), "medium": (2000, 240), "short100k": (100_000, 
 SUBSET = {"hf_loop": {"short": 256, "medium": 128}, "vllm_extract_hidden_states": {"short": 1024, "medium": 200}}
 MODES = ["hf_loop", "hf_batched", "vllm_plain", "layertap", "layertap_runner", "vllm_extract_hidden_states"]
 # Not in the default set: where the runner's ceiling lies (vLLM's pooling runner with its own pooler).
-DIAGNOSTIC_MODES = ["layertap_runner_inline", "vllm_pooling_eager", "vllm_pooling_compiled", "vllm_pooling_inprocess_async"]
+DIAGNOSTIC_MODES = ["layertap_runner_engine_process", "layertap_engine_process", "vllm_pooling_eager",
+                    "vllm_pooling_compiled", "vllm_pooling_inprocess_async"]
 BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "1024"))
 IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "3"))
 # Every vLLM-based mode runs its workload this many times on one engine and reports the last pass: the
@@ -202,7 +203,7 @@ class PhaseTimes:
         self._module.checks.check_vectors = self._check
 
 
-def run_layertap(model_dir: str, prompts: list[str]) -> dict:
+def run_layertap(model_dir: str, prompts: list[str], engine_process: bool = False) -> dict:
     """End to end through the `embed` flow: ingest, normalise, plan, extract, write Parquet, validate,
     publish, then read the last layer back through `Store`. The engine is started (and timed) by a
     warm-up run and kept for the measured run, as a worker process keeps it between batches."""
@@ -222,7 +223,7 @@ def run_layertap(model_dir: str, prompts: list[str]) -> dict:
     pacsv.write_csv(pa.table({"text": [f"warm-up prompt number {i}" for i in range(64)]}), warm)
     pacsv.write_csv(pa.table({"text": prompts}), data)
     common = dict(model=model_dir, layers="all", pooling="last", dtype="bfloat16", parity_sample=0,
-                  batch_size=BATCH, batches_in_flight=IN_FLIGHT)
+                  batch_size=BATCH, batches_in_flight=IN_FLIGHT, engine_process=engine_process)
     with engine_cache.pin():
         t0 = time.perf_counter()
         embed_flow(input=[str(warm)], store=str(work / "warm-store"), **common)
@@ -265,7 +266,7 @@ def _extract_and_release(runner, prompts: list[str], layers: list[int]) -> int:
     return len(result.kept)
 
 
-def run_layertap_runner(model_dir: str, prompts: list[str], engine_process: bool | None = None) -> dict:
+def run_layertap_runner(model_dir: str, prompts: list[str], engine_process: bool = False) -> dict:
     """The hooked runner alone: vectors for every prompt in host memory, no store. Batches are submitted
     from several threads at once, as the flow does, so the engine never drains between them."""
     from concurrent.futures import ThreadPoolExecutor
@@ -292,9 +293,14 @@ def run_layertap_runner(model_dir: str, prompts: list[str], engine_process: bool
             "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process}
 
 
-def run_layertap_runner_inline(model_dir: str, prompts: list[str]) -> dict:
-    """The hooked runner with vLLM's engine core in the calling process (the CPU default)."""
-    return run_layertap_runner(model_dir, prompts, engine_process=False)
+def run_layertap_runner_engine_process(model_dir: str, prompts: list[str]) -> dict:
+    """The hooked runner with vLLM's engine core in a process of its own (`--engine-process`)."""
+    return run_layertap_runner(model_dir, prompts, engine_process=True)
+
+
+def run_layertap_engine_process(model_dir: str, prompts: list[str]) -> dict:
+    """The flow end to end with vLLM's engine core in a process of its own (`--engine-process`)."""
+    return run_layertap(model_dir, prompts, engine_process=True)
 
 
 def _vllm_pooling(model_dir: str, prompts: list[str], **options) -> dict:

@@ -4,10 +4,9 @@ Prompts are tokenised by the caller (one fast batch call) and handed to vLLM as 
 can be checked against the ids it was asked for: vLLM returns outputs under its own request ids and this
 runner verifies the match instead of trusting positions.
 
-On a GPU, vLLM's engine core runs in a process of its own (as in vLLM's own `LLM`): scheduling, the
-model and layertap's pooler run there, while this process tokenises, builds requests and writes results,
-so neither waits on the other's Python. On a CPU it stays in this process unless
-`EngineOptions.engine_process` asks otherwise. Either way captured vectors reach this process through
+vLLM's engine core runs in this process unless `EngineOptions.engine_process` asks for a process of its
+own (vLLM's own `LLM` layout: scheduling, the model and layertap's pooler run there, while this process
+tokenises, builds requests and writes results). Either way captured vectors reach this process through
 shared host buffers (`host_buffers`), not through vLLM's output messages.
 
 One thread owns the engine and keeps it fed: `extract` calls from any number of threads queue their
@@ -65,10 +64,9 @@ class EngineOptions:
     load_format: str | None = None
     kv_cache_memory_bytes: int | None = None
     seed: int = 0
-    # vLLM's engine core in a process of its own; by default on a GPU, where this process's Python would
-    # otherwise hold the engine back, and not on a CPU, where the model's compute dominates and a second
-    # process costs start-up time and cores.
-    engine_process: bool | None = None
+    # vLLM's engine core in a process of its own, started by spawning (the same way vLLM starts it on a
+    # CPU), so a multi-threaded caller such as a Prefect worker is never forked.
+    engine_process: bool = False
 
 
 @dataclass
@@ -103,8 +101,10 @@ class VllmRunner:
             raise EngineError(f"dtype: expected one of {', '.join(DTYPES)}, got {options.dtype!r}")
         on_cpu = _on_cpu()
         # Read by vLLM when the engine starts, below.
-        self.engine_process = not on_cpu if options.engine_process is None else options.engine_process
+        self.engine_process = options.engine_process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.engine_process else "0"
+        if self.engine_process:
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         # Compiled graphs include layertap's capture op: keep them apart from vLLM's own compile cache.
         os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(os.path.expanduser("~"), ".cache", "layertap", "vllm"))
         from transformers import AutoTokenizer

@@ -412,7 +412,7 @@ def test_extract_batch_is_a_cache_hit_for_the_same_store_only(tiny_model, tmp_pa
 
 
 def test_an_engine_core_in_its_own_process_stores_the_same_vectors(run, tmp_path):
-    """How the flow runs on a GPU: vLLM's engine core in a child process, vectors through shared buffers."""
+    """engine_process=True: vLLM's engine core in a child process, vectors through shared buffers."""
     from layertap import Store
 
     source = write_jsonl(tmp_path / "in.jsonl", ROWS)

@@ -213,8 +213,8 @@ def test_a_compiled_model_without_the_tap_is_refused(model_dirs, monkeypatch):
 
 
 def test_an_engine_core_in_its_own_process_fills_shared_buffers_and_matches(model_dirs, references):
-    """How engines run on a GPU: the worker, in another process, copies vectors into buffers it maps by
-    path; rows map back to their prompts across calls, poolings and layer sets."""
+    """engine_process=True: the worker, in another process, copies vectors into buffers it maps by path;
+    rows map back to their prompts across calls, poolings and layer sets."""
     import os
 
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
