@@ -38,7 +38,8 @@ BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "1024"))
 IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "3"))
 # Every vLLM-based mode runs its workload this many times on one engine and reports the last pass: the
 # first large pass after start-up pays one-off costs (kernel selection for new shapes, allocator growth)
-# that a long-lived worker pays once. The first pass's time is reported beside it.
+# that a long-lived worker pays once. The first pass's time is reported beside it. Each pass has prompts of
+# its own (same sizes, other words), so no pass finds its prompts in the engine's prefix cache.
 PASSES = int(os.environ.get("BENCH_PASSES", "2"))
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                  intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
@@ -47,10 +48,11 @@ WORDS = ("the of and to in is was for on that with as by at from his an were are
          "violet silent ancient rapid golden hollow bright narrow gentle frozen").split()
 
 
-def make_prompts(workload: str) -> list[str]:
-    """Deterministic English-like prompts whose byte-level token count is about the target (BOS included)."""
+def make_prompts(workload: str, variant: int = 0) -> list[str]:
+    """Deterministic English-like prompts whose byte-level token count is about the target (BOS included);
+    each variant draws other words, so variants share no prefix block."""
     count, tokens = WORKLOADS[workload]
-    rng = random.Random(f"layertap-{workload}")
+    rng = random.Random(f"layertap-{workload}" + (f"-{variant}" if variant else ""))
     prompts = []
     for i in range(count):
         target = max(4, int(rng.gauss(tokens, tokens * 0.15))) - 1
@@ -105,24 +107,25 @@ def run_hf(model_dir: str, prompts: list[str], batched: bool) -> dict:
     return {"seconds": time.perf_counter() - start}
 
 
-def _passes(run) -> dict:
-    """Time `run()` PASSES times; the last pass is the one reported."""
+def _passes(run, prompt_sets: list[list[str]]) -> dict:
+    """Time `run(prompts)` once per prompt set; the last pass is the one reported."""
     times = []
-    for _ in range(PASSES):
+    for prompts in prompt_sets:
         start = time.perf_counter()
-        run()
+        run(prompts)
         times.append(time.perf_counter() - start)
     return {"seconds": times[-1], "first_pass_s": times[0], "passes": len(times)}
 
 
-def run_vllm_plain(model_dir: str, prompts: list[str]) -> dict:
+def run_vllm_plain(model_dir: str, prompt_sets: list[list[str]]) -> dict:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16")
     startup = time.perf_counter() - t0
-    llm.generate(prompts[:64], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
-    timing = _passes(lambda: llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False))
+    llm.generate(prompt_sets[0][:64], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+    timing = _passes(lambda prompts: llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False),
+                     prompt_sets)
     return {**timing, "startup_s": startup}
 
 
@@ -203,7 +206,7 @@ class PhaseTimes:
         self._module.checks.check_vectors = self._check
 
 
-def run_layertap(model_dir: str, prompts: list[str], engine_process: bool = False) -> dict:
+def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: bool = False) -> dict:
     """End to end through the `embed` flow: ingest, normalise, plan, extract, write Parquet, validate,
     publish, then read the last layer back through `Store`. The engine is started (and timed) by a
     warm-up run and kept for the measured run, as a worker process keeps it between batches."""
@@ -219,9 +222,13 @@ def run_layertap(model_dir: str, prompts: list[str], engine_process: bool = Fals
     from layertap.settings import load_settings
 
     work = Path(tempfile.mkdtemp(prefix="layertap-bench-"))
-    warm, data = work / "warm.csv", work / "prompts.csv"
+    warm = work / "warm.csv"
     pacsv.write_csv(pa.table({"text": [f"warm-up prompt number {i}" for i in range(64)]}), warm)
-    pacsv.write_csv(pa.table({"text": prompts}), data)
+    data = []
+    for k, prompts in enumerate(prompt_sets):
+        data.append(work / f"prompts-{k}.csv")
+        pacsv.write_csv(pa.table({"text": prompts}), data[-1])
+    prompts = prompt_sets[-1]
     common = dict(model=model_dir, layers="all", pooling="last", dtype="bfloat16", parity_sample=0,
                   batch_size=BATCH, batches_in_flight=IN_FLIGHT, engine_process=engine_process)
     with engine_cache.pin():
@@ -231,12 +238,12 @@ def run_layertap(model_dir: str, prompts: list[str], engine_process: bool = Fals
         first_pass = None
         for extra in range(PASSES - 1):  # earlier passes go to stores of their own: nothing is skipped as done
             start = time.perf_counter()
-            embed_flow(input=[str(data)], store=str(work / f"store-pass{extra}"), **common)
+            embed_flow(input=[str(data[extra])], store=str(work / f"store-pass{extra}"), **common)
             first_pass = first_pass or time.perf_counter() - start
         rss_before = _rss_gib()
         with RssSampler() as rss, PhaseTimes() as phases:
             start = time.perf_counter()
-            summary = embed_flow(input=[str(data)], store=str(work / "store"), **common)
+            summary = embed_flow(input=[str(data[-1])], store=str(work / "store"), **common)
         with RssSampler() as read_rss:  # reading a whole layer back holds it in memory: sampled apart
             table = Store(work / "store").embeddings(layer=-1)
             seconds = time.perf_counter() - start
@@ -266,7 +273,7 @@ def _extract_and_release(runner, prompts: list[str], layers: list[int]) -> int:
     return len(result.kept)
 
 
-def run_layertap_runner(model_dir: str, prompts: list[str], engine_process: bool = False) -> dict:
+def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_process: bool = False) -> dict:
     """The hooked runner alone: vectors for every prompt in host memory, no store. Batches are submitted
     from several threads at once, as the flow does, so the engine never drains between them."""
     from concurrent.futures import ThreadPoolExecutor
@@ -278,32 +285,32 @@ def run_layertap_runner(model_dir: str, prompts: list[str], engine_process: bool
                                       engine_process=engine_process))
     startup = time.perf_counter() - t0
     layers = list(range(runner.num_layers + 1))
-    runner.extract(prompts[:64], layers, "last").release()  # warm-up
+    runner.extract(prompt_sets[0][:64], layers, "last").release()  # warm-up
     runner.reserve_host_buffers(BATCH, len(layers), IN_FLIGHT)  # as the flow's extract task does
-    batches = [prompts[i:i + BATCH] for i in range(0, len(prompts), BATCH)]
 
-    def run():
+    def run(prompts):
+        batches = [prompts[i:i + BATCH] for i in range(0, len(prompts), BATCH)]
         with ThreadPoolExecutor(IN_FLIGHT) as pool:
             done = sum(pool.map(lambda b: _extract_and_release(runner, b, layers), batches))
         assert done == len(prompts)
 
-    timing = _passes(run)
+    timing = _passes(run, prompt_sets)
     return {**timing, "startup_s": startup, "capture_buffer_bytes": runner.capture_buffer_bytes,
             "step_tokens": runner.step_tokens, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
             "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process}
 
 
-def run_layertap_runner_engine_process(model_dir: str, prompts: list[str]) -> dict:
+def run_layertap_runner_engine_process(model_dir: str, prompt_sets: list[list[str]]) -> dict:
     """The hooked runner with vLLM's engine core in a process of its own (`--engine-process`)."""
-    return run_layertap_runner(model_dir, prompts, engine_process=True)
+    return run_layertap_runner(model_dir, prompt_sets, engine_process=True)
 
 
-def run_layertap_engine_process(model_dir: str, prompts: list[str]) -> dict:
+def run_layertap_engine_process(model_dir: str, prompt_sets: list[list[str]]) -> dict:
     """The flow end to end with vLLM's engine core in a process of its own (`--engine-process`)."""
-    return run_layertap(model_dir, prompts, engine_process=True)
+    return run_layertap(model_dir, prompt_sets, engine_process=True)
 
 
-def _vllm_pooling(model_dir: str, prompts: list[str], **options) -> dict:
+def _vllm_pooling(model_dir: str, prompt_sets: list[list[str]], **options) -> dict:
     """vLLM's pooling runner with its own last-token pooler (one layer, nothing else captured): the base the
     hooked runner rides on, under the settings given."""
     from vllm import LLM
@@ -311,26 +318,27 @@ def _vllm_pooling(model_dir: str, prompts: list[str], **options) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, runner="pooling", convert="embed", dtype="bfloat16", load_format="dummy", **options)
     startup = time.perf_counter() - t0
-    llm.encode(prompts[:64], pooling_task="embed", use_tqdm=False)  # warm-up
-    timing = _passes(lambda: llm.encode(prompts, pooling_task="embed", use_tqdm=False))
+    llm.encode(prompt_sets[0][:64], pooling_task="embed", use_tqdm=False)  # warm-up
+    timing = _passes(lambda prompts: llm.encode(prompts, pooling_task="embed", use_tqdm=False), prompt_sets)
     return {**timing, "startup_s": startup, "options": options}
 
 
-def run_vllm_pooling_eager(model_dir: str, prompts: list[str]) -> dict:
-    return _vllm_pooling(model_dir, prompts, enforce_eager=True)
+def run_vllm_pooling_eager(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    return _vllm_pooling(model_dir, prompt_sets, enforce_eager=True)
 
 
-def run_vllm_pooling_compiled(model_dir: str, prompts: list[str]) -> dict:
-    return _vllm_pooling(model_dir, prompts)
+def run_vllm_pooling_compiled(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    return _vllm_pooling(model_dir, prompt_sets)
 
 
-def run_vllm_pooling_inprocess_async(model_dir: str, prompts: list[str]) -> dict:
+def run_vllm_pooling_inprocess_async(model_dir: str, prompt_sets: list[list[str]]) -> dict:
     """As the hooked runner drives it: engine core in this process, asynchronous scheduling, compiled."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    return _vllm_pooling(model_dir, prompts, async_scheduling=True)
+    return _vllm_pooling(model_dir, prompt_sets, async_scheduling=True)
 
 
-def run_vllm_extract_hidden_states(model_dir: str, prompts: list[str]) -> dict:
+def run_vllm_extract_hidden_states(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    prompts = prompt_sets[-1]  # one pass, on a fresh engine
     from vllm import LLM, SamplingParams
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as conn
@@ -360,14 +368,14 @@ def run_vllm_extract_hidden_states(model_dir: str, prompts: list[str]) -> dict:
 
 
 def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
-    prompts = make_prompts(workload)
-    if mode in SUBSET:
-        prompts = prompts[: SUBSET[mode].get(workload, len(prompts))]
+    limit = SUBSET.get(mode, {}).get(workload)
+    prompt_sets = [make_prompts(workload, variant)[:limit] for variant in range(PASSES)]
+    prompts = prompt_sets[-1]  # the measured pass
     try:
         if mode in ("hf_loop", "hf_batched"):
             result = run_hf(model_dir, prompts, batched=mode == "hf_batched")
         else:
-            result = globals()[f"run_{mode}"](model_dir, prompts)
+            result = globals()[f"run_{mode}"](model_dir, prompt_sets)
         result["status"] = "ok"
     except Exception as exc:  # recorded in the results, the other modes still run
         import traceback
