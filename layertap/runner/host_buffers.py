@@ -8,7 +8,9 @@ worker maps it once by path and locks its pages for asynchronous device-to-host 
 
 Buffers are allocated at their exact size, handed back by the caller when its vectors are written, and
 reused by later batches. A buffer dropped from the pool is unlinked; the worker forgets mappings whose
-file is gone.
+file is gone. A process killed before it could clean up leaves its directory behind (memory, in
+`/dev/shm`): the directory is named after the process, and the next pool made on the machine removes
+directories whose process is gone.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 import torch
 
 SHARED_MEMORY = "/dev/shm"
+PREFIX = "layertap-host-"
+_OWNED = re.compile(rf"{PREFIX}(\d+)-")
 
 
 @dataclass(eq=False)
@@ -50,7 +55,8 @@ class HostBuffers:
     def __init__(self, keep: int = 4, directory: str | None = None):
         self.keep = keep
         parent = directory or (SHARED_MEMORY if os.access(SHARED_MEMORY, os.W_OK) else tempfile.gettempdir())
-        self.directory = tempfile.mkdtemp(prefix="layertap-host-", dir=parent)
+        remove_orphans(parent)
+        self.directory = _own_directory(parent)
         self._removal = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self._idle: list[Segment] = []
         self._lock = threading.Lock()
@@ -120,8 +126,38 @@ class HostBuffers:
         """Shared memory is full: later buffers live in the temporary directory (page cache, same sharing)."""
         self._removal.detach()
         previous = self.directory
-        self.directory = tempfile.mkdtemp(prefix="layertap-host-", dir=tempfile.gettempdir())
+        remove_orphans(tempfile.gettempdir())
+        self.directory = _own_directory(tempfile.gettempdir())
         self._removal = weakref.finalize(self, _remove_both, previous, self.directory)
+
+
+def _own_directory(parent: str) -> str:
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
+
+
+def remove_orphans(parent: str) -> list[str]:
+    """Remove host buffer directories in `parent` whose process no longer runs; returns what was removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _OWNED.match(entry.name)
+        if match and entry.is_dir(follow_symlinks=False) and not _running(int(match[1])):
+            shutil.rmtree(entry.path, True)
+            removed.append(entry.path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _remove_both(first: str, second: str) -> None:

@@ -82,3 +82,21 @@ def test_the_worker_forgets_mappings_of_removed_buffers():
     worker.get(second.path)
     assert list(worker._maps) == [second.path]
     pool.clear()
+
+
+def test_directories_left_by_a_killed_process_are_removed(tmp_path):
+    """A process killed mid-run cannot unlink its buffers; the next pool on the machine removes them."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    orphan = tmp_path / f"layertap-host-{dead_pid}-x1"
+    orphan.mkdir()
+    (orphan / "b1").write_bytes(b"\0" * 64)
+    alive = tmp_path / f"layertap-host-{os.getpid()}-x2"  # this process still runs: kept
+    alive.mkdir()
+    pool = HostBuffers(directory=str(tmp_path))
+    assert not orphan.exists() and alive.exists() and os.path.isdir(pool.directory)
+    assert os.path.basename(pool.directory).startswith(f"layertap-host-{os.getpid()}-")
+    pool.clear()
