@@ -43,10 +43,21 @@ class Segment:
         return self.tensor.numel()
 
 
+# Buffers this process made, by path: a worker in this same process uses them as they are, since a second
+# mapping of the same pages would count twice in the process's resident memory.
+_made_here: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def map_segment(path: str) -> torch.Tensor:
     """The whole file at `path` as a flat float32 tensor whose writes the other process sees."""
     numel = os.path.getsize(path) // 4
     return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+
+
+def mapping_of(path: str) -> torch.Tensor:
+    """This process's view of the buffer at `path`: the pool's own mapping if it made it, else a new one."""
+    mine = _made_here.get(path)
+    return mine if mine is not None else map_segment(path)
 
 
 class HostBuffers:
@@ -118,6 +129,7 @@ class HostBuffers:
             return self._allocate(numel)
         os.close(fd)
         segment = Segment(path, map_segment(path))
+        _made_here[path] = segment.tensor
         self.allocated += 1
         self._live.add(segment)
         return segment

@@ -286,9 +286,9 @@ class SharedBuffers:
         mapped = self._maps.get(path)
         if mapped is None:
             self._forget_removed()
-            from layertap.runner.host_buffers import map_segment
+            from layertap.runner.host_buffers import mapping_of
 
-            mapped = map_segment(path)
+            mapped = mapping_of(path)
             if self.pin:
                 nbytes = mapped.numel() * mapped.element_size()
                 status = torch.cuda.cudart().cudaHostRegister(mapped.data_ptr(), nbytes, 0)

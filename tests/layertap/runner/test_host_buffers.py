@@ -71,6 +71,14 @@ def test_reserved_buffers_serve_the_batches_that_follow():
     pool.clear()
 
 
+def test_a_worker_in_the_same_process_uses_the_pool_s_own_mapping():
+    """Mapping the same pages twice in one process would count them twice in its resident memory."""
+    pool = HostBuffers()
+    view, segment = pool.take((2, 4))
+    assert SharedBuffers(pin=False).get(segment.path).data_ptr() == view.data_ptr()
+    pool.clear()
+
+
 def test_the_worker_forgets_mappings_of_removed_buffers():
     """The worker maps each buffer once; a buffer the caller dropped is unmapped when the next one comes."""
     pool = HostBuffers(keep=0)
