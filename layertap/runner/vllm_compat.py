@@ -15,10 +15,10 @@ compiled kernels. The op reduces each layer's residual stream to one row per req
 last token's row, or the sum of the request's rows for mean pooling), so the capture buffer holds
 [layers, max_num_seqs, hidden] whatever the step's token count.
 
-The engine core normally runs in a process of its own. `CaptureWorker` is vLLM's worker extension for
-layertap: importing this module in the worker's process hooks model loading (so the tap is attached
-before torch.compile traces the model), and the engine calls its `layertap_install` by name to install
-the capture. Vectors then go from the device straight into host buffers shared with the caller's
+`CaptureWorker` is vLLM's worker extension for layertap, so the same code serves a worker in the
+caller's process, in an engine process of its own, or in tensor-parallel rank processes: importing this
+module in the worker's process hooks model loading (so the tap is attached before torch.compile traces
+the model), and the engine calls its `layertap_install` by name to install the capture. Vectors then go from the device straight into host buffers shared with the caller's
 process (`host_buffers`): each request names its buffer in `PoolingParams.extra_kwargs`, and vLLM's
 outputs carry only the row a request's vectors went to.
 
@@ -76,12 +76,12 @@ def check_vllm() -> str:
     """Verify that the installed vLLM has the internals this module relies on; return its version."""
     try:
         import vllm
+        from vllm.config import ParallelConfig
         from vllm.model_executor.layers.pooler import Pooler
         from vllm.model_executor.model_loader.base_loader import BaseModelLoader
         from vllm.pooling_params import PoolingParams
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.pool.metadata import PoolingCursor, PoolingMetadata, PoolingStates
-        from vllm.config import ParallelConfig
         from vllm.v1.worker.gpu_model_runner import AsyncGPUPoolingModelRunnerOutput, GPUModelRunner
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise EngineError(

@@ -296,8 +296,8 @@ class VllmRunner:
     def _params(job: _Job):
         from vllm import PoolingParams
 
-        # Mean pooling needs every prompt token's hidden state, so it must not reuse cached prefixes.
         sink = sink_reference(job.segment.path, job.key, len(job.token_ids))
+        # Mean pooling needs every prompt token's hidden state, so it must not reuse cached prefixes.
         return PoolingParams(task="embed", skip_reading_prefix_cache=job.capture[1] == "mean",
                              extra_kwargs={SINK_KEY: sink})
 
