@@ -75,14 +75,16 @@ class HostBuffers:
         self._live: weakref.WeakSet = weakref.WeakSet()  # every segment still referenced, idle or not
         self.allocated = 0  # buffers created so far, for tests and benchmarks
 
-    def reserve(self, shape: tuple[int, ...], count: int) -> None:
+    def reserve(self, shape: tuple[int, ...], count: int) -> list[str]:
         """Make sure `count` buffers that hold `shape` exist, allocating the missing ones now rather than
-        while the engine runs."""
+        while the engine runs; returns the paths of those made now."""
         need = math.prod(shape)
         with self._lock:
             self.keep = max(self.keep, count)
             missing = count - sum(1 for s in self._live if s.numel() >= need)
-            self._idle.extend(self._allocate(need) for _ in range(max(0, missing)))
+            made = [self._allocate(need) for _ in range(max(0, missing))]
+            self._idle.extend(made)
+        return [segment.path for segment in made]
 
     def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, Segment]:
         """A [shape] float32 view and the segment behind it (to `give_back` once the view is no longer read)."""

@@ -196,7 +196,8 @@ class LayerTap:
         self.buffer: torch.Tensor | None = None
         self.query_start_loc: torch.Tensor | None = None
         self.max_reqs = 0
-        self.buffers: SharedBuffers | None = None  # the caller's host buffers, made with the first capture
+        # The caller's host buffers as this worker maps them (page-locked on a GPU).
+        self.buffers = SharedBuffers(pin=self.token.is_cuda)
 
         def running(module, args):
             _running.tap = self
@@ -299,6 +300,9 @@ class SharedBuffers:
                                 "device-to-host copies into it are synchronous", path, nbytes, int(status))
             self._maps[path] = mapped
         return mapped
+
+    def mapped(self) -> list[str]:
+        return list(self._maps)
 
     def _forget_removed(self) -> None:
         """Drop mappings of buffers the caller has removed (it removes only buffers no batch is using)."""
@@ -504,10 +508,7 @@ def install_capture(worker, spec: CaptureSpec) -> int:
         tap = model._layertap_tap = LayerTap(model)
     param = next(model.parameters())
     size = tap.configure(spec, param.dtype, query_start_loc)
-    on_gpu = param.is_cuda
-    if tap.buffers is None:
-        tap.buffers = SharedBuffers(pin=on_gpu)
-    stream = runner._get_or_create_async_output_copy_stream() if on_gpu else None
+    stream = runner._get_or_create_async_output_copy_stream() if param.is_cuda else None
     model.pooler = LayerCapturePooler(spec, tap, tap.buffers, stream, writes=_first_rank())
     return size
 
@@ -519,6 +520,27 @@ class CaptureWorker:
         spec = CaptureSpec(layers=tuple(layers), num_layers=num_layers, hidden_size=hidden_size,
                            pooling=pooling)
         return install_capture(self, spec)
+
+    def layertap_map_buffers(self, paths: list[str]) -> int:
+        """Map (and on a GPU page-lock) host buffers before batches use them: locking hundreds of megabytes
+        inside an engine step would stall it. Only the rank that copies maps them."""
+        if not _first_rank():
+            return 0
+        buffers = _tap_of(self).buffers
+        for path in paths:
+            buffers.get(path)
+        return len(paths)
+
+    def layertap_mapped_buffers(self) -> list[str]:
+        """Paths of the host buffers this worker has mapped."""
+        return sorted(_tap_of(self).buffers.mapped())
+
+
+def _tap_of(worker) -> LayerTap:
+    tap = getattr(worker.get_model(), "_layertap_tap", None)
+    if tap is None:
+        raise EngineError("this engine's model has no layertap tap: start it through VllmRunner")
+    return tap
 
 
 _hook_model_loading()

@@ -23,8 +23,10 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,6 +83,20 @@ class _Job:
     future: Future = field(default_factory=Future)
     slots: list[int | None] = field(default_factory=list)
     remaining: int = 0
+
+
+@dataclass
+class _Call:
+    """Work for the engine thread between steps (calls into the workers must not race with a step)."""
+
+    fn: Callable[[], Any]
+    future: Future = field(default_factory=Future)
+
+    def run(self) -> None:
+        try:
+            self.future.set_result(self.fn())
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            self.future.set_exception(exc)
 
 
 def _on_cpu() -> bool:
@@ -158,7 +174,7 @@ class VllmRunner:
         self._capture: tuple[tuple[int, ...], str] | None = None
         self._host = HostBuffers()
         self._ids = itertools.count()
-        self._inbox: queue.Queue[_Job | None] = queue.Queue()
+        self._inbox: queue.Queue[_Job | _Call | None] = queue.Queue()
         # Held while a job is queued and while closing: no job lands in the inbox after the close signal,
         # where no engine thread would ever answer it.
         self._gate = threading.Lock()
@@ -226,7 +242,12 @@ class VllmRunner:
         return Extraction(self._by_layer(vectors.numpy(), layers), order, rejected, num_tokens, truncated,
                           release_fn=functools.partial(self._host.give_back, segment))
 
-    def _submit(self, job: _Job) -> None:
+    def _in_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        call = _Call(fn)
+        self._submit(call)
+        return call.future.result()
+
+    def _submit(self, job: _Job | _Call) -> None:
         with self._gate:
             self._check_usable()
             self._inbox.put(job)
@@ -261,6 +282,9 @@ class VllmRunner:
                         break
                     if job is None:
                         raise EngineError("the engine is closed")
+                    if isinstance(job, _Call):
+                        job.run()  # between steps; then wait or step as before
+                        continue
                     waiting.append(job)
                     block = False
                 # A job that needs other layers or pooling waits until the engine has drained.
@@ -335,8 +359,15 @@ class VllmRunner:
         self._capture = (layers, pooling)
 
     def reserve_host_buffers(self, prompts: int, layers: int, count: int) -> None:
-        """Make host buffers for `count` batches of up to `prompts` prompts x `layers` layers before they run."""
-        self._host.reserve((layers, prompts, self.hidden_size), count)
+        """Make host buffers for `count` batches of up to `prompts` prompts x `layers` layers before they run,
+        and have the worker map (on a GPU, page-lock) them now rather than inside an engine step."""
+        made = self._host.reserve((layers, prompts, self.hidden_size), count)
+        if made:
+            self._in_engine_thread(lambda: self.llm.collective_rpc("layertap_map_buffers", args=(made,)))
+
+    def mapped_host_buffers(self) -> list[str]:
+        """Paths of the host buffers the engine's copying worker has mapped."""
+        return self._in_engine_thread(lambda: self.llm.collective_rpc("layertap_mapped_buffers"))[0]
 
     @property
     def host_buffers_allocated(self) -> int:

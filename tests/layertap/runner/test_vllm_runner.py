@@ -103,6 +103,19 @@ def test_concurrent_callers_share_the_engine_and_get_their_own_rows(engines, ref
         assert_parity(ours, references("llama").extract(prompts, layers, pooling), layers)
 
 
+def test_reserved_host_buffers_are_mapped_by_the_worker_before_any_batch_uses_them(engines):
+    """Page-locking a buffer inside an engine step would stall it: reserving maps them up front."""
+    import os
+
+    runner = engines("gemma")
+    before = set(runner.mapped_host_buffers())
+    runner.reserve_host_buffers(700, runner.num_layers + 1, 2)  # larger than any batch so far
+    new = set(runner.mapped_host_buffers()) - before
+    assert len(new) == 2 and all(os.path.exists(path) for path in new)
+    runner.reserve_host_buffers(700, runner.num_layers + 1, 2)  # they exist: nothing more to map
+    assert set(runner.mapped_host_buffers()) - before == new
+
+
 def test_host_buffers_are_reused_once_handed_back(engines):
     """Each batch's vectors land in a host buffer that is reused after the caller releases it."""
     runner = engines("llama")
@@ -223,6 +236,9 @@ def test_an_engine_core_in_its_own_process_fills_shared_buffers_and_matches(mode
                                       max_num_batched_tokens=STEP_TOKENS, kv_cache_memory_bytes=64 * 2**20))
     try:
         assert runner.engine_process and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+        runner.reserve_host_buffers(50, 3, 2)  # the worker maps them now, not inside a step
+        reserved = sorted(s.path for s in runner._host._idle)
+        assert len(reserved) == 2 and runner.mapped_host_buffers() == reserved
         for seed, pooling, layers in ((40, "last", [0, 2, 4]), (41, "mean", [1, 4]), (42, "last", [3])):
             prompts = varied_prompts(50, seed=seed)
             ours = runner.extract(prompts, layers, pooling)
