@@ -1,10 +1,11 @@
-"""Reusable host buffers that captured vectors are copied into, shared with the engine's process.
+"""Reusable host buffers that captured vectors are copied into, shared with the engine's worker.
 
-vLLM's engine core runs in a process of its own; its worker copies each finished prompt's vectors from
-the device straight into one of these buffers, so hundreds of megabytes per batch never travel through
-vLLM's output messages. Each buffer is a file in shared memory (`/dev/shm` when there is room, else the
-temporary directory) mapped by both processes: the caller reads and writes Parquet from its mapping, the
-worker maps it once by path and locks its pages for asynchronous device-to-host copies.
+vLLM's worker, in the caller's process or in an engine process of its own, copies each finished prompt's
+vectors from the device straight into one of these buffers, so hundreds of megabytes per batch never
+travel through vLLM's output messages. Each buffer is a file in shared memory (`/dev/shm` when there is
+room, else the temporary directory): the caller reads it to write Parquet, and the worker maps it by path
+once (or, in the caller's process, takes the pool's own mapping) and locks its pages for asynchronous
+device-to-host copies.
 
 Buffers are allocated at their exact size, handed back by the caller when its vectors are written, and
 reused by later batches. A buffer dropped from the pool is unlinked; the worker forgets mappings whose
