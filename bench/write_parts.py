@@ -20,6 +20,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -53,8 +54,7 @@ def timed_parts(root: Path, vectors: dict[int, np.ndarray], concurrent: int) -> 
         list(pool.map(lambda k: write_part(store, "bench", f"part{k}", hashes, vectors, "bfloat16"),
                       range(concurrent)))
     seconds = time.perf_counter() - start
-    for path in store.rglob("*.parquet"):
-        path.unlink()
+    shutil.rmtree(store)
     return seconds
 
 
@@ -70,8 +70,7 @@ def timed_batches(root: Path, vectors: dict[int, np.ndarray], concurrent: int) -
             lambda k: write_batch_files(store, "bench", f"batch{k}", hashes, vectors, "bfloat16", limit),
             range(concurrent)))
     seconds = time.perf_counter() - start
-    for path in store.rglob("*.parquet"):
-        path.unlink()
+    shutil.rmtree(store)
     return seconds, len(written[0])
 
 
