@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from layertap.errors import EngineError
+from layertap.runner.host_buffers import mapping_of
 
 log = logging.getLogger(__name__)
 
@@ -287,8 +288,6 @@ class SharedBuffers:
         mapped = self._maps.get(path)
         if mapped is None:
             self._forget_removed()
-            from layertap.runner.host_buffers import mapping_of
-
             mapped = mapping_of(path)
             if self.pin:
                 nbytes = mapped.numel() * mapped.element_size()
@@ -322,12 +321,10 @@ class LayerCapturePooler(nn.Module):
     step's compute. With tensor parallelism only the first rank copies; every rank returns the same rows.
     """
 
-    def __init__(self, spec: CaptureSpec, tap: LayerTap, buffers: SharedBuffers, copy_stream=None,
-                 writes: bool = True):
+    def __init__(self, spec: CaptureSpec, tap: LayerTap, copy_stream=None, writes: bool = True):
         super().__init__()
         self.spec = spec
         self.tap = tap
-        self.buffers = buffers
         self.copy_stream = copy_stream
         self.writes = writes
         self.sinks: dict[str, Sink] = {}  # batches with requests still to finish
@@ -387,7 +384,7 @@ class LayerCapturePooler(nn.Module):
 
     def _batch_view(self, path: str, size: int) -> torch.Tensor:
         shape = (len(self.spec.layers), size, self.spec.hidden_size)
-        mapped = self.buffers.get(path)
+        mapped = self.tap.buffers.get(path)
         if mapped.numel() < math.prod(shape):
             raise EngineError(f"host buffer {path} is smaller than a batch of {size} prompts")
         return mapped[:math.prod(shape)].view(shape)
@@ -509,7 +506,7 @@ def install_capture(worker, spec: CaptureSpec) -> int:
     param = next(model.parameters())
     size = tap.configure(spec, param.dtype, query_start_loc)
     stream = runner._get_or_create_async_output_copy_stream() if param.is_cuda else None
-    model.pooler = LayerCapturePooler(spec, tap, tap.buffers, stream, writes=_first_rank())
+    model.pooler = LayerCapturePooler(spec, tap, stream, writes=_first_rank())
     return size
 
 
