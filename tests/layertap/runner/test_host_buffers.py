@@ -108,3 +108,35 @@ def test_directories_left_by_a_killed_process_are_removed(tmp_path):
     assert not orphan.exists() and alive.exists() and os.path.isdir(pool.directory)
     assert os.path.basename(pool.directory).startswith(f"layertap-host-{os.getpid()}-")
     pool.clear()
+
+
+def test_a_full_shared_memory_moves_later_buffers_to_the_temporary_directory(monkeypatch, tmp_path):
+    """A full tmpfs is refused when the space is claimed (the fault injected at the OS call), not by a
+    crash when a page is touched later; the buffer is then made in the temporary directory."""
+    import errno
+    import tempfile
+
+    import pytest
+
+    from layertap.runner import host_buffers
+
+    if not os.access(host_buffers.SHARED_MEMORY, os.W_OK):
+        pytest.skip("no writable /dev/shm here")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real = os.posix_fallocate
+
+    def full_shared_memory(fd, offset, length):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(host_buffers.SHARED_MEMORY):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(host_buffers.os, "posix_fallocate", full_shared_memory)
+    pool = HostBuffers()
+    first = pool.directory
+    assert first.startswith(host_buffers.SHARED_MEMORY)
+    view, segment = pool.take((4, 8))
+    assert segment.path.startswith(str(tmp_path)) and pool.directory != first and os.listdir(first) == []
+    view.fill_(2.0)
+    assert map_segment(segment.path).sum().item() == 64
+    pool.clear()
+    assert not os.path.exists(first) and not os.path.exists(pool.directory)
