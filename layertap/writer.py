@@ -6,7 +6,10 @@ manifest row. One column per layer lets readers fetch a single layer without tou
 
 Arrow encodes a Parquet file on one thread, at a few hundred MB/s, while an engine on a GPU turns out
 float32 vectors at gigabytes per second (a 7B model's 33 layers are 553 MB per 1024 prompts). A large
-batch is therefore split by rows into several files that are encoded at once, each published as a part.
+batch is therefore split by rows into several files that are encoded at once, each published as a part:
+enough files to keep each under the size limit, and up to one per core while each stays at least
+`MIN_FILE_BYTES`, so that the last batches of a run, written while the engine has nothing left to do, use
+every core.
 """
 
 from __future__ import annotations
@@ -114,6 +117,9 @@ def write_part(
     return f"parts/{extraction_id}/{part_id}.parquet"
 
 
+# Below this a file's fixed costs (footer, fsync, rename, manifest row) start to weigh against its encoding.
+MIN_FILE_BYTES = 32_000_000
+
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -136,12 +142,21 @@ def _encoders() -> ThreadPoolExecutor:
         return _POOL
 
 
-def file_row_ranges(num_rows: int, row_bytes: int, max_file_bytes: int, max_files: int) -> list[tuple[int, int]]:
-    """Split `num_rows` into as few even [start, stop) ranges as keep each file under `max_file_bytes`
-    (never more than `max_files`, never an empty one)."""
+def file_row_ranges(
+    num_rows: int, row_bytes: int, max_file_bytes: int, max_files: int, min_file_bytes: int = 0
+) -> list[tuple[int, int]]:
+    """Split `num_rows` into even [start, stop) ranges: enough to keep each file under `max_file_bytes`,
+    and, while each stays at least `min_file_bytes`, one per encoder thread (never more than `max_files`,
+    never an empty one).
+
+    A batch written while the encoders are otherwise idle (the last ones of a run) then uses every core
+    instead of a few, and a small batch stays one file."""
     if num_rows <= 0:
         return []
-    count = max(1, min(max_files, num_rows, math.ceil(num_rows * row_bytes / max(1, max_file_bytes))))
+    total = num_rows * row_bytes
+    needed = math.ceil(total / max(1, max_file_bytes))
+    affordable = total // min_file_bytes if min_file_bytes > 0 else 1
+    count = max(1, min(max_files, num_rows, max(needed, affordable)))
     bounds = [round(k * num_rows / count) for k in range(count + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 
@@ -155,6 +170,7 @@ def write_batch_files(
     dtype: str,
     max_file_bytes: int,
     max_files: int | None = None,
+    min_file_bytes: int = MIN_FILE_BYTES,
 ) -> list[dict]:
     """Write a batch as one part, or as several row ranges encoded in parallel when it is large.
 
@@ -166,7 +182,8 @@ def write_batch_files(
         raise ValueError(f"dtype must be one of {', '.join(_STORAGE)}, got {dtype!r}")
     hidden = {a.shape[-1] for a in vectors.values()}
     row_bytes = len(vectors) * max(hidden, default=0) * np.dtype(_STORAGE[dtype]).itemsize
-    ranges = file_row_ranges(len(prompt_hashes), row_bytes, max_file_bytes, max_files or encoder_threads())
+    ranges = file_row_ranges(len(prompt_hashes), row_bytes, max_file_bytes, max_files or encoder_threads(),
+                             min(min_file_bytes, max_file_bytes))
     if len(ranges) <= 1:
         return [{"part_id": part_id, "prompt_hashes": list(prompt_hashes),
                  "relpath": write_part(store_dir, extraction_id, part_id, prompt_hashes, vectors, dtype)}]

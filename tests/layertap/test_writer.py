@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from layertap.writer import file_row_ranges, write_batch_files, write_part
+from layertap.writer import MIN_FILE_BYTES, file_row_ranges, write_batch_files, write_part
 
 HASHES = ["a" * 64, "b" * 64, "c" * 64]
 
@@ -90,6 +90,30 @@ def test_unknown_dtype(tmp_path):
 )
 def test_batches_split_into_even_row_ranges_under_the_file_limit(rows, row_bytes, limit, most, expected):
     assert file_row_ranges(rows, row_bytes, limit, most) == expected
+
+
+@pytest.mark.parametrize(
+    "rows, min_bytes, expected_files",
+    [
+        (1024, 32, 8),  # 102,400 bytes: a file per encoder thread, each well above the minimum
+        (1024, 30_000, 3),  # as many as stay at least the minimum
+        (10, 600, 1),  # a small batch stays one file
+        (4, 1, 4),  # never an empty file
+    ],
+)
+def test_a_batch_uses_idle_encoders_while_its_files_stay_above_the_minimum(rows, min_bytes, expected_files):
+    ranges = file_row_ranges(rows, 100, 10**9, 8, min_bytes)
+    assert len(ranges) == expected_files
+    assert ranges[0][0] == 0 and ranges[-1][1] == rows
+    assert all(a < b for a, b in ranges) and all(x[1] == y[0] for x, y in zip(ranges, ranges[1:]))
+    assert all((b - a) * 100 >= min_bytes for a, b in ranges)
+
+
+def test_a_batch_as_large_as_a_7b_models_fills_the_encoders_with_files_near_the_minimum():
+    # 1024 prompts x 33 layers x 4096 float32 = 553 MB: under the 128 MB limit alone it would be 5 files
+    ranges = file_row_ranges(1024, 33 * 4096 * 4, 128_000_000, 16, MIN_FILE_BYTES)
+    assert len(ranges) == 16
+    assert min((b - a) * 33 * 4096 * 4 for a, b in ranges) >= MIN_FILE_BYTES
 
 
 def test_a_large_batch_is_written_as_several_files_holding_its_rows_in_order(tmp_path):
