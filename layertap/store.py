@@ -19,15 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
 from layertap import faults
 from layertap.errors import InputError, StoreError
 from layertap.file_modes import drop_world_write, make_dirs
 from layertap.normalise import REJECT_EMPTY, REJECT_NUL, REJECT_NULL, NormaliseRules
+from layertap.sorted_layer import read_layer_sorted
 from layertap.writer import layer_column
 
 SCHEMA_VERSION = "2"
@@ -275,16 +274,6 @@ def _upgrade(con: duckdb.DuckDBPyConnection, db_path: Path) -> None:
     con.execute(_ADDED_IN_2)
     con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [SCHEMA_VERSION])
     con.commit()
-
-
-def _rows_in_order(vectors: pa.ChunkedArray, order: pa.Array) -> pa.Array:
-    """Reorder fixed-size-list rows as whole numpy rows: Arrow's take copies them value by value, ~20x
-    slower on a layer of a 7B model."""
-    whole = vectors.combine_chunks()
-    if whole.null_count:
-        return whole.take(order)
-    values = np.asarray(whole.flatten()).reshape(len(whole), whole.type.list_size)
-    return pa.FixedSizeListArray.from_arrays(pa.array(values[np.asarray(order)].reshape(-1)), type=whole.type)
 
 
 def _sorted_layers(layers: list[int]) -> list[int]:
@@ -912,18 +901,12 @@ class Store:
             paths = [row[0] for row in found]
             if not paths:
                 raise StoreError(f"{self.root}: layer {layer} has no results for extraction {eid}")
-            column = layer_column(layer)
-            # The parts' files are read in parallel (a large batch is several files).
-            vectors = ds.dataset([str(self.root / path) for path in paths], format="parquet").to_table(
-                columns=["prompt_hash", column]
-            )
-            con.register("wanted", vectors.select(["prompt_hash"]))
+            hashes, embedding = read_layer_sorted([str(self.root / path) for path in paths], layer_column(layer))
+            con.register("wanted", pa.table({"prompt_hash": hashes}))
             texts = con.sql("SELECT prompt_hash, text FROM prompts SEMI JOIN wanted USING (prompt_hash)")
             texts = texts.to_arrow_table()
-        order = pc.sort_indices(vectors["prompt_hash"])
-        hashes = vectors["prompt_hash"].take(order)
         text = texts["text"].take(pc.index_in(hashes, value_set=texts["prompt_hash"]))
-        return pa.table({"prompt_hash": hashes, "text": text, "embedding": _rows_in_order(vectors[column], order)})
+        return pa.table({"prompt_hash": hashes, "text": text, "embedding": embedding})
 
     def ledger(
         self, layers: list[int] | None = None, *, model: str | None = None, pooling: str | None = None,

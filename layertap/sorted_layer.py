@@ -1,0 +1,59 @@
+"""One layer of a store's Parquet files, sorted by prompt hash, without holding the layer more than once.
+
+Reading every file into one table, combining its chunks and reordering the rows held three copies of the
+layer at once (9.4 GiB at the peak for 100,000 prompts of a 7B model, whose layer is 1.6 GB). Here the
+prompt hashes are read first (small), their sorted order fixes each row's place, and each file's vectors
+are then copied straight to their places in the one output array, a few files at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from layertap.errors import StoreError
+
+
+def _threads(files: int) -> int:
+    """Files read at once: Arrow decodes without the GIL, so one per core helps, up to the files there are."""
+    return max(1, min(files, os.cpu_count() or 1, 16))
+
+
+def read_layer_sorted(paths: list[str], column: str) -> tuple[pa.Array, pa.FixedSizeListArray]:
+    """(prompt hashes in sorted order, the `column` vector of each, in the same order) over `paths`."""
+    if not paths:
+        raise StoreError("no files to read")
+    with ThreadPoolExecutor(_threads(len(paths)), thread_name_prefix="layertap-read") as pool:
+        per_file = list(pool.map(
+            lambda path: pq.read_table(path, columns=["prompt_hash"]).column(0).combine_chunks(), paths
+        ))
+        hashes = pa.concat_arrays(per_file)
+        order = pc.sort_indices(hashes).to_numpy()
+        place = np.empty(len(order), np.int64)
+        place[order] = np.arange(len(order))
+        starts = np.cumsum([0] + [len(h) for h in per_file])
+        vector_type = pq.read_schema(paths[0]).field(column).type
+        if not pa.types.is_fixed_size_list(vector_type):
+            raise StoreError(f"{paths[0]}: column {column} is {vector_type}, not a fixed-size list of floats")
+        out = np.empty((len(order), vector_type.list_size), vector_type.value_type.to_pandas_dtype())
+
+        def fill(k: int) -> None:
+            at = starts[k]
+            for chunk in pq.read_table(paths[k], columns=[column]).column(0).chunks:
+                if chunk.type != vector_type or chunk.null_count:
+                    raise StoreError(
+                        f"{paths[k]}: column {column} holds {chunk.type} with {chunk.null_count} missing "
+                        f"vectors; the other files hold {vector_type} and none missing"
+                    )
+                out[place[at:at + len(chunk)]] = chunk.flatten().to_numpy().reshape(len(chunk), -1)
+                at += len(chunk)
+            if at != starts[k + 1]:
+                raise StoreError(f"{paths[k]}: {at - starts[k]} vectors for {starts[k + 1] - starts[k]} prompts")
+
+        list(pool.map(fill, range(len(paths))))
+    return hashes.take(pa.array(order)), pa.FixedSizeListArray.from_arrays(pa.array(out.reshape(-1)), type=vector_type)
