@@ -24,27 +24,31 @@ def _threads(files: int) -> int:
     return max(1, min(files, os.cpu_count() or 1, 16))
 
 
+def _read(path: str, column: str, metadata: pq.FileMetaData | None = None) -> tuple[pa.ChunkedArray, pq.FileMetaData]:
+    """One column of one file, and the file's footer (passed back in, it is not parsed twice)."""
+    with pq.ParquetFile(path, metadata=metadata) as file:
+        return file.read(columns=[column]).column(0), file.metadata
+
+
 def read_layer_sorted(paths: list[str], column: str) -> tuple[pa.Array, pa.FixedSizeListArray]:
     """(prompt hashes in sorted order, the `column` vector of each, in the same order) over `paths`."""
     if not paths:
         raise StoreError("no files to read")
     with ThreadPoolExecutor(_threads(len(paths)), thread_name_prefix="layertap-read") as pool:
-        per_file = list(pool.map(
-            lambda path: pq.read_table(path, columns=["prompt_hash"]).column(0).combine_chunks(), paths
-        ))
-        hashes = pa.concat_arrays(per_file)
+        per_file, footers = zip(*pool.map(lambda path: _read(path, "prompt_hash"), paths))
+        hashes = pa.chunked_array(per_file).combine_chunks()
         order = pc.sort_indices(hashes).to_numpy()
         place = np.empty(len(order), np.int64)
         place[order] = np.arange(len(order))
         starts = np.cumsum([0] + [len(h) for h in per_file])
-        vector_type = pq.read_schema(paths[0]).field(column).type
+        vector_type = footers[0].schema.to_arrow_schema().field(column).type
         if not pa.types.is_fixed_size_list(vector_type):
             raise StoreError(f"{paths[0]}: column {column} is {vector_type}, not a fixed-size list of floats")
         out = np.empty((len(order), vector_type.list_size), vector_type.value_type.to_pandas_dtype())
 
         def fill(k: int) -> None:
             at = starts[k]
-            for chunk in pq.read_table(paths[k], columns=[column]).column(0).chunks:
+            for chunk in _read(paths[k], column, footers[k])[0].chunks:
                 if chunk.type != vector_type or chunk.null_count:
                     raise StoreError(
                         f"{paths[k]}: column {column} holds {chunk.type} with {chunk.null_count} missing "
