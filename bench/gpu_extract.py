@@ -244,6 +244,7 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
         with RssSampler() as rss, PhaseTimes() as phases:
             start = time.perf_counter()
             summary = embed_flow(input=[str(data[-1])], store=str(work / "store"), **common)
+            flow_call = time.perf_counter() - start  # the flow's own seconds plus Prefect's start and exit
         with RssSampler() as read_rss:  # reading a whole layer back holds it in memory: sampled apart
             table = Store(work / "store").embeddings(layer=-1)
             seconds = time.perf_counter() - start
@@ -254,7 +255,8 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
     assert table.num_rows == summary["embedded"] == len(set(prompts)), (table.num_rows, summary)
     shutil.rmtree(work, ignore_errors=True)
     return {"seconds": seconds, "first_pass_s": first_pass or seconds, "passes": PASSES,
-            "startup_and_warmup_s": startup, "flow_seconds": summary["seconds"],
+            "startup_and_warmup_s": startup, "flow_seconds": summary["seconds"], "flow_call_s": flow_call,
+            "read_back_s": seconds - flow_call,
             "embedded": summary["embedded"], "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
             "store_bytes": store_bytes, "parquet_files": parquet_files,
             "part_file_mb": load_settings(env_file=None).part_file_mb, "capture_buffer_bytes": capture,

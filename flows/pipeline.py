@@ -14,6 +14,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 from prefect.runtime import flow_run
+from prefect.utilities.annotations import quote
 
 from layertap import engine_cache, faults
 from layertap import progress as run_progress
@@ -122,8 +123,10 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
                     fill()
                     continue
                 fill()
-                validate_batch(store_dir, part, key["hidden_size"], settings, parity=succeeded == 0)
-                published = publish_batch(store_dir, part)
+                # quote(): Prefect would otherwise walk every prompt hash the part lists, looking for
+                # futures, on the flow's thread (~0.1 s per batch of 1024).
+                validate_batch(store_dir, quote(part), key["hidden_size"], settings, parity=succeeded == 0)
+                published = publish_batch(store_dir, quote(part))
                 succeeded += 1
                 embedded += published["published"]
                 refused += published["rejected"]
