@@ -129,28 +129,40 @@ def run_vllm_plain(model_dir: str, prompt_sets: list[list[str]]) -> dict:
     return {**timing, "startup_s": startup}
 
 
-def _rss_gib() -> float:
+def _memory_gib() -> dict[str, float]:
+    """VmRSS and its parts: anonymous (heaps, Arrow, torch), file-backed (libraries), shared (host buffers)."""
+    wanted = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+    found = {}
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
+            name = line.split(":", 1)[0]
+            if name in wanted:
+                found[wanted[name]] = int(line.split()[1]) / 2**20
+    return found
+
+
+def _rss_gib() -> float:
+    return _memory_gib().get("rss", float("nan"))
 
 
 class RssSampler:
-    """Peak resident memory while a block runs, sampled every 50 ms (ru_maxrss also counts engine start)."""
+    """Peak resident memory while a block runs, sampled every 50 ms (ru_maxrss also counts engine start),
+    with its parts at that moment (`at_peak`)."""
 
     def __enter__(self):
         import threading
 
-        self.peak, self._stop = _rss_gib(), threading.Event()
+        self.at_peak = _memory_gib()
+        self.peak, self._stop = self.at_peak.get("rss", float("nan")), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def _run(self):
         while not self._stop.wait(0.05):
-            self.peak = max(self.peak, _rss_gib())
+            now = _memory_gib()
+            if now.get("rss", 0.0) > self.peak:
+                self.peak, self.at_peak = now["rss"], now
 
     def __exit__(self, *exc):
         self._stop.set()
@@ -240,7 +252,8 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
             start = time.perf_counter()
             embed_flow(input=[str(data[extra])], store=str(work / f"store-pass{extra}"), **common)
             first_pass = first_pass or time.perf_counter() - start
-        rss_before = _rss_gib()
+        memory_before = _memory_gib()
+        rss_before = memory_before.get("rss", float("nan"))
         with RssSampler() as rss, PhaseTimes() as phases:
             start = time.perf_counter()
             summary = embed_flow(input=[str(data[-1])], store=str(work / "store"), **common)
@@ -264,6 +277,7 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
             "flow_step_seconds_on_flow_thread": phases.flow_steps,
             "host_buffers_allocated": runner.host_buffers_allocated,
             "rss_before_run_gib": rss_before, "peak_rss_during_run_gib": rss.peak,
+            "memory_before_run_gib": memory_before, "memory_at_peak_during_run_gib": rss.at_peak,
             "peak_rss_reading_last_layer_back_gib": read_rss.peak,
             "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
