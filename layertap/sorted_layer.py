@@ -3,7 +3,7 @@
 Reading every file into one table, combining its chunks and reordering the rows held three copies of the
 layer at once (9.4 GiB at the peak for 100,000 prompts of a 7B model, whose layer is 1.6 GB). Here the
 prompt hashes are read first (small), their sorted order fixes each row's place, and each file's vectors
-are then copied straight to their places in the one output array, a few files at a time.
+are then copied straight to their places in the one output array, several files at once.
 """
 
 from __future__ import annotations
@@ -20,8 +20,13 @@ from layertap.errors import StoreError
 
 
 def _threads(files: int) -> int:
-    """Files read at once: Arrow decodes without the GIL, so one per core helps, up to the files there are."""
-    return max(1, min(files, os.cpu_count() or 1, 16))
+    """Files read at once: Arrow decodes without the GIL, so one per core this process may run on (at most
+    16), up to the files there are."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API on this platform
+        cores = os.cpu_count() or 1
+    return max(1, min(files, cores, 16))
 
 
 def _read(path: str, column: str, metadata: pq.FileMetaData | None = None) -> tuple[pa.ChunkedArray, pq.FileMetaData]:
@@ -52,7 +57,7 @@ def read_layer_sorted(paths: list[str], column: str) -> tuple[pa.Array, pa.Fixed
                 if chunk.type != vector_type or chunk.null_count:
                     raise StoreError(
                         f"{paths[k]}: column {column} holds {chunk.type} with {chunk.null_count} missing "
-                        f"vectors; the other files hold {vector_type} and none missing"
+                        f"vectors; expected {vector_type} with none missing, as in {paths[0]}"
                     )
                 out[place[at:at + len(chunk)]] = chunk.flatten().to_numpy().reshape(len(chunk), -1)
                 at += len(chunk)
