@@ -8,7 +8,6 @@ are then copied straight to their places in the one output array, several files 
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -17,16 +16,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from layertap.errors import StoreError
+from layertap.writer import encoder_threads
 
 
 def _threads(files: int) -> int:
-    """Files read at once: Arrow decodes without the GIL, so one per core this process may run on (at most
-    16), up to the files there are."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity API on this platform
-        cores = os.cpu_count() or 1
-    return max(1, min(files, cores, 16))
+    """Files read at once: Arrow decodes without the GIL, so as many as the writer encodes (one per core this
+    process may run on), at most 16, up to the files there are."""
+    return max(1, min(files, encoder_threads(), 16))
 
 
 def _read(path: str, column: str, metadata: pq.FileMetaData | None = None) -> tuple[pa.ChunkedArray, pq.FileMetaData]:
