@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from layertap import bfloat16
 from layertap.errors import ValidationError
 from layertap.writer import layer_column
 
@@ -30,12 +31,13 @@ def check_vectors(vectors: dict[int, np.ndarray], layers: list[int], num_rows: i
             raise ValidationError(
                 f"check 'shape': layer {layer} has shape {array.shape}, expected ({num_rows}, {hidden_size})"
             )
-        finite = np.isfinite(array).all(axis=1)
+        bf16 = bfloat16.is_bfloat16(array)
+        finite = bfloat16.finite_rows(array) if bf16 else np.isfinite(array).all(axis=1)
         if not finite.all():
             raise ValidationError(
                 f"check 'finite': layer {layer} has {int((~finite).sum())} vectors with NaN or inf"
             )
-        zero = ~array.any(axis=1)
+        zero = ~(bfloat16.nonzero_rows(array) if bf16 else array.any(axis=1))
         if zero.any():
             raise ValidationError(f"check 'non-zero': layer {layer} has {int(zero.sum())} all-zero vectors")
 

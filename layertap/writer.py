@@ -29,10 +29,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layertap import faults
+from layertap.bfloat16 import is_bfloat16, to_float32
 from layertap.file_modes import create_file, make_dirs
 
 # bfloat16 vectors are stored as float32, which holds every bfloat16 value exactly (Arrow has no bfloat16).
 _STORAGE = {"float32": np.float32, "bfloat16": np.float32, "float16": np.float16}
+# Vectors that must be converted to their stored type (bfloat16 ones) are converted one row group at a time,
+# just before it is encoded: a file being written holds at most this many converted bytes, not its size.
+CONVERTED_ROW_GROUP_BYTES = 8_000_000
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -55,19 +59,42 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _part_table(prompt_hashes: list[str], vectors: dict[int, np.ndarray], dtype: str) -> pa.Table:
-    """prompt_hash plus one fixed_size_list<float, H> column per layer, in layer order."""
+def _stored(array: np.ndarray, dtype: str) -> np.ndarray:
+    """`array` in the type it is stored as (no copy when it already is)."""
+    if is_bfloat16(array):
+        return to_float32(array)
+    return np.ascontiguousarray(array, dtype=_STORAGE[dtype])
+
+
+def _check_shapes(num_rows: int, vectors: dict[int, np.ndarray], dtype: str) -> None:
     if dtype not in _STORAGE:
         raise ValueError(f"dtype must be one of {', '.join(_STORAGE)}, got {dtype!r}")
-    arrays = {layer: np.ascontiguousarray(vectors[layer], dtype=_STORAGE[dtype]) for layer in sorted(vectors)}
-    shapes = {a.shape for a in arrays.values()}
-    if len(shapes) != 1 or len(shape := shapes.pop()) != 2 or shape[0] != len(prompt_hashes):
-        got = {layer: a.shape for layer, a in arrays.items()}
-        raise ValueError(f"need one [{len(prompt_hashes)}, hidden] array per layer, got {got}")
+    shapes = {np.shape(a) for a in vectors.values()}
+    if len(shapes) != 1 or len(shape := shapes.pop()) != 2 or shape[0] != num_rows:
+        got = {layer: np.shape(a) for layer, a in vectors.items()}
+        raise ValueError(f"need one [{num_rows}, hidden] array per layer, got {got}")
+
+
+def _part_table(prompt_hashes: list[str], vectors: dict[int, np.ndarray], dtype: str) -> pa.Table:
+    """prompt_hash plus one fixed_size_list<float, H> column per layer, in layer order."""
+    _check_shapes(len(prompt_hashes), vectors, dtype)
     columns = {"prompt_hash": pa.array(prompt_hashes, pa.string())}
-    for layer, a in arrays.items():
-        columns[layer_column(layer)] = pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), shape[1])
+    for layer in sorted(vectors):
+        a = _stored(vectors[layer], dtype)
+        columns[layer_column(layer)] = pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), a.shape[1])
     return pa.table(columns)
+
+
+def _row_groups(num_rows: int, vectors: dict[int, np.ndarray], dtype: str) -> list[tuple[int, int]]:
+    """[start, stop) row ranges written one at a time: the whole file when its vectors are stored as they
+    are (Arrow reads them in place), else groups of about `CONVERTED_ROW_GROUP_BYTES` once converted."""
+    arrays = list(vectors.values())
+    converted = any(is_bfloat16(a) or a.dtype != _STORAGE[dtype] for a in arrays)
+    if not converted or num_rows == 0:
+        return [(0, num_rows)]
+    row_bytes = sum(a.shape[1] for a in arrays) * np.dtype(_STORAGE[dtype]).itemsize
+    step = max(1, CONVERTED_ROW_GROUP_BYTES // max(1, row_bytes))
+    return [(start, min(num_rows, start + step)) for start in range(0, num_rows, step)]
 
 
 def write_part(
@@ -85,7 +112,10 @@ def write_part(
     for name in (extraction_id, part_id):
         if not _SAFE_NAME.match(name):
             raise ValueError(f"not a safe file name: {name!r}")
-    table = _part_table(prompt_hashes, vectors, dtype)
+    _check_shapes(len(prompt_hashes), vectors, dtype)
+    tables = (_part_table(prompt_hashes[a:b], {layer: v[a:b] for layer, v in vectors.items()}, dtype)
+              for a, b in _row_groups(len(prompt_hashes), vectors, dtype))
+    table = next(tables)
     root = Path(store_dir)
     staging = root / "staging"
     final_dir = root / "parts" / extraction_id
@@ -106,7 +136,10 @@ def write_part(
             write_statistics=["prompt_hash"],
             write_page_checksum=True,
         ) as parquet:
-            parquet.write_table(table, row_group_size=max(1, table.num_rows))
+            while table is not None:
+                parquet.write_table(table, row_group_size=max(1, table.num_rows))
+                table = None  # encoded: freed before the next group is converted
+                table = next(tables, None)
             faults.hit("write.row-group")  # data written, no footer: a crash leaves a torn file, in staging/
     faults.hit("write.before-fsync")
     _fsync(staged)

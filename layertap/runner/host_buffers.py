@@ -7,11 +7,12 @@ room, else the temporary directory): the caller reads it to write Parquet, and t
 once (or, in the caller's process, takes the pool's own mapping) and locks its pages for asynchronous
 device-to-host copies.
 
-Buffers are allocated at their exact size, handed back by the caller when its vectors are written, and
-reused by later batches. A buffer dropped from the pool is unlinked; the worker forgets mappings whose
-file is gone. A process killed before it could clean up leaves its directory behind (memory, in
-`/dev/shm`): the directory is named after the process, and the next pool made on the machine removes
-directories whose process is gone.
+A buffer is raw bytes: each batch views it in the engine's own precision (bfloat16 or float16 vectors
+take half the memory of float32 ones). Buffers are allocated at their exact size, handed back by the
+caller when its vectors are written, and reused by later batches. A buffer dropped from the pool is
+unlinked; the worker forgets mappings whose file is gone. A process killed before it could clean up
+leaves its directory behind (memory, in `/dev/shm`): the directory is named after the process, and the
+next pool made on the machine removes directories whose process is gone.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ _OWNED = re.compile(rf"{PREFIX}(\d+)-")
 
 @dataclass(eq=False)
 class Segment:
-    """One shared host buffer: its file and this process's float32 mapping of it."""
+    """One shared host buffer: its file and this process's mapping of it (flat bytes)."""
 
     path: str
     tensor: torch.Tensor
 
-    def numel(self) -> int:
+    def nbytes(self) -> int:
         return self.tensor.numel()
 
 
@@ -50,9 +51,16 @@ _made_here: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def map_segment(path: str) -> torch.Tensor:
-    """The whole file at `path` as a flat float32 tensor whose writes the other process sees."""
-    numel = os.path.getsize(path) // 4
-    return torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+    """The whole file at `path` as a flat uint8 tensor whose writes the other process sees."""
+    return torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+
+
+def view_as(mapping: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The first bytes of a mapping as a `shape` array of `dtype` (no copy)."""
+    need = math.prod(shape) * dtype.itemsize
+    if mapping.numel() < need:
+        raise ValueError(f"host buffer of {mapping.numel()} bytes cannot hold {shape} {dtype}")
+    return mapping[:need].view(dtype).view(shape)
 
 
 def mapping_of(path: str) -> torch.Tensor:
@@ -62,7 +70,7 @@ def mapping_of(path: str) -> torch.Tensor:
 
 
 class HostBuffers:
-    """A pool of shared float32 host buffers; at most `keep` idle ones are held between batches."""
+    """A pool of shared host buffers; at most `keep` idle ones are held between batches."""
 
     def __init__(self, keep: int = 4, directory: str | None = None):
         self.keep = keep
@@ -76,28 +84,28 @@ class HostBuffers:
         self._live: weakref.WeakSet = weakref.WeakSet()  # every segment still referenced, idle or not
         self.allocated = 0  # buffers created so far, for tests and benchmarks
 
-    def reserve(self, shape: tuple[int, ...], count: int) -> list[str]:
-        """Make sure `count` buffers that hold `shape` exist, allocating the missing ones now rather than
-        while the engine runs; returns the paths of those made now."""
-        need = math.prod(shape)
+    def reserve(self, shape: tuple[int, ...], count: int, dtype: torch.dtype = torch.float32) -> list[str]:
+        """Make sure `count` buffers that hold `shape` of `dtype` exist, allocating the missing ones now
+        rather than while the engine runs; returns the paths of those made now."""
+        need = math.prod(shape) * dtype.itemsize
         with self._lock:
             self.keep = max(self.keep, count)
-            missing = count - sum(1 for s in self._live if s.numel() >= need)
+            missing = count - sum(1 for s in self._live if s.nbytes() >= need)
             made = [self._allocate(need) for _ in range(max(0, missing))]
             self._idle.extend(made)
         return [segment.path for segment in made]
 
-    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, Segment]:
-        """A [shape] float32 view and the segment behind it (to `give_back` once the view is no longer read)."""
-        need = math.prod(shape)
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, Segment]:
+        """A [shape] view of `dtype` and the segment behind it (to `give_back` once the view is no longer read)."""
+        need = math.prod(shape) * dtype.itemsize
         with self._lock:
-            fitting = [s for s in self._idle if s.numel() >= need]
-            segment = min(fitting, key=Segment.numel) if fitting else None
+            fitting = [s for s in self._idle if s.nbytes() >= need]
+            segment = min(fitting, key=Segment.nbytes) if fitting else None
             if segment is not None:
                 self._idle.remove(segment)
             else:
                 segment = self._allocate(need)
-        return segment.tensor[:need].view(shape), segment
+        return view_as(segment.tensor, shape, dtype), segment
 
     def give_back(self, segment: Segment) -> None:
         with self._lock:
@@ -105,7 +113,7 @@ class HostBuffers:
                 return
             self._idle.append(segment)
             if len(self._idle) > self.keep:  # drop the smallest: big batches are the ones worth reusing
-                dropped = min(self._idle, key=Segment.numel)
+                dropped = min(self._idle, key=Segment.nbytes)
                 self._idle.remove(dropped)
                 _unlink(dropped.path)
 
@@ -115,10 +123,10 @@ class HostBuffers:
             self._idle.clear()
             self._removal()
 
-    def _allocate(self, numel: int) -> Segment:
+    def _allocate(self, nbytes: int) -> Segment:
         self._names += 1
         path = os.path.join(self.directory, f"b{self._names}")
-        nbytes = max(numel, 1) * 4
+        nbytes = max(nbytes, 1)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # Claim the space now: touching an unbacked page of a full tmpfs later would kill the process.
@@ -129,7 +137,7 @@ class HostBuffers:
             if exc.errno != errno.ENOSPC or not self.directory.startswith(SHARED_MEMORY):
                 raise
             self._move_to_temporary_directory()
-            return self._allocate(numel)
+            return self._allocate(nbytes)
         os.close(fd)
         segment = Segment(path, map_segment(path))
         _made_here[path] = segment.tensor

@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from layertap.errors import EngineError
-from layertap.runner.host_buffers import mapping_of
+from layertap.runner.host_buffers import mapping_of, view_as
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +68,10 @@ class Sink:
     used: int = 0
 
 
-def sink_reference(path: str, batch: str, prompts: int) -> list:
-    """What a request carries in `PoolingParams.extra_kwargs[SINK_KEY]`: its batch's buffer and size."""
-    return [path, batch, prompts]
+def sink_reference(path: str, batch: str, prompts: int, dtype: torch.dtype) -> list:
+    """What a request carries in `PoolingParams.extra_kwargs[SINK_KEY]`: its batch's buffer, its size and
+    the precision its vectors are stored in there."""
+    return [path, batch, prompts, str(dtype).removeprefix("torch.")]
 
 
 def check_vllm() -> str:
@@ -291,7 +291,7 @@ class SharedBuffers:
             self._forget_removed()
             mapped = mapping_of(path)
             if self.pin:
-                nbytes = mapped.numel() * mapped.element_size()
+                nbytes = mapped.numel()  # bytes
                 status = torch.cuda.cudart().cudaHostRegister(mapped.data_ptr(), nbytes, 0)
                 if int(status) == 0:
                     self._pinned.add(path)
@@ -365,10 +365,10 @@ class LayerCapturePooler(nn.Module):
                 if reference is None:
                     raise EngineError("a request reached layertap's pooler without a host buffer")
                 by_batch.setdefault(tuple(reference), []).append(r)
-        for (path, batch, size), requests in by_batch.items():
+        for (path, batch, size, dtype), requests in by_batch.items():
             sink = self.sinks.get(batch)
             if sink is None:
-                sink = self.sinks[batch] = Sink(self._batch_view(path, size) if self.writes else None)
+                sink = self.sinks[batch] = Sink(self._batch_view(path, size, dtype) if self.writes else None)
             start = sink.used
             if start + len(requests) > size:
                 raise EngineError(f"batch {batch!r} holds {size} prompts; more finished")
@@ -383,15 +383,15 @@ class LayerCapturePooler(nn.Module):
         # here would make this thread wait for the step to finish instead of scheduling the next one.
         return torch.tensor(rows, dtype=torch.int64).unsqueeze(1)
 
-    def _batch_view(self, path: str, size: int) -> torch.Tensor:
+    def _batch_view(self, path: str, size: int, dtype: str) -> torch.Tensor:
         shape = (len(self.spec.layers), size, self.spec.hidden_size)
-        mapped = self.tap.buffers.get(path)
-        if mapped.numel() < math.prod(shape):
-            raise EngineError(f"host buffer {path} is smaller than a batch of {size} prompts")
-        return mapped[:math.prod(shape)].view(shape)
+        try:
+            return view_as(self.tap.buffers.get(path), shape, getattr(torch, dtype))
+        except ValueError as exc:
+            raise EngineError(f"host buffer {path} is too small for a batch of {size} prompts: {exc}") from exc
 
     def _copy(self, picked: torch.Tensor, targets: torch.Tensor) -> None:
-        picked = picked.float()
+        picked = picked.to(targets.dtype)  # on the device: a half-precision engine moves half the bytes
         if self.copy_stream is None:
             targets.copy_(picked)
             return

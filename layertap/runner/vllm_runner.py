@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from layertap.bfloat16 import from_bits
 from layertap.errors import EngineError
 from layertap.model_fingerprint import read_model_info
 from layertap.runner.base import POOLINGS, Extraction
@@ -46,7 +47,9 @@ from layertap.runner.vllm_compat import (
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("float32", "float16", "bfloat16")
+# Vectors reach the host in the engine's own precision: half-precision engines move and hold half the bytes.
+HOST_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = tuple(HOST_DTYPES)
 CPU_KV_CACHE_BYTES = 2**30
 
 
@@ -79,6 +82,7 @@ class _Job:
     capture: tuple[tuple[int, ...], str]
     token_ids: list[list[int]]
     segment: Segment  # the shared host buffer its vectors are copied into
+    dtype: torch.dtype  # the precision they are held in there
     requests: list = field(default_factory=list)  # vLLM's requests, built in the caller's thread
     future: Future = field(default_factory=Future)
     slots: list[int | None] = field(default_factory=list)
@@ -99,6 +103,13 @@ class _Call:
             self.future.set_exception(exc)
 
 
+def _as_numpy(vectors: torch.Tensor) -> np.ndarray:
+    """A host buffer's view as numpy, sharing its memory (bfloat16 as `layertap.bfloat16` patterns)."""
+    if vectors.dtype == torch.bfloat16:
+        return from_bits(vectors.view(torch.int16).numpy())
+    return vectors.numpy()
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -115,6 +126,7 @@ class VllmRunner:
         self.num_layers, self.hidden_size = info.num_layers, info.hidden_size
         if options.dtype not in DTYPES:
             raise EngineError(f"dtype: expected one of {', '.join(DTYPES)}, got {options.dtype!r}")
+        self.host_dtype = HOST_DTYPES[options.dtype]
         on_cpu = _on_cpu()
         # Read by vLLM when the engine starts, below.
         self.engine_process = options.engine_process
@@ -219,9 +231,9 @@ class VllmRunner:
         with self._gate:
             self._check_usable()
             engine = self.llm.llm_engine
-        vectors, segment = self._host.take((len(layers), len(kept), self.hidden_size))
+        vectors, segment = self._host.take((len(layers), len(kept), self.hidden_size), self.host_dtype)
         job = _Job(key=f"j{next(self._ids)}", capture=(layers, pooling),
-                   token_ids=[token_ids[i] for i in kept], segment=segment)
+                   token_ids=[token_ids[i] for i in kept], segment=segment, dtype=vectors.dtype)
         try:
             job.requests = prepare_requests(engine, [f"{job.key}:{i}" for i in range(len(kept))],
                                             job.token_ids, self._params(job), self._tasks)
@@ -239,7 +251,7 @@ class VllmRunner:
         order = [0] * len(kept)
         for position, slot in enumerate(job.slots):
             order[slot] = kept[position]
-        return Extraction(self._by_layer(vectors.numpy(), layers), order, rejected, num_tokens, truncated,
+        return Extraction(self._by_layer(_as_numpy(vectors), layers), order, rejected, num_tokens, truncated,
                           release_fn=functools.partial(self._host.give_back, segment))
 
     def _in_engine_thread(self, fn: Callable[[], Any]) -> Any:
@@ -320,7 +332,7 @@ class VllmRunner:
     def _params(job: _Job):
         from vllm import PoolingParams
 
-        sink = sink_reference(job.segment.path, job.key, len(job.token_ids))
+        sink = sink_reference(job.segment.path, job.key, len(job.token_ids), job.dtype)
         # Mean pooling needs every prompt token's hidden state, so it must not reuse cached prefixes.
         return PoolingParams(task="embed", skip_reading_prefix_cache=job.capture[1] == "mean",
                              extra_kwargs={SINK_KEY: sink})
@@ -361,7 +373,7 @@ class VllmRunner:
     def reserve_host_buffers(self, prompts: int, layers: int, count: int) -> None:
         """Make host buffers for `count` batches of up to `prompts` prompts x `layers` layers before they run,
         and have the worker map (on a GPU, page-lock) them now rather than inside an engine step."""
-        made = self._host.reserve((layers, prompts, self.hidden_size), count)
+        made = self._host.reserve((layers, prompts, self.hidden_size), count, self.host_dtype)
         if made:
             self._in_engine_thread(lambda: self.llm.collective_rpc("layertap_map_buffers", args=(made,)))
 
@@ -381,7 +393,7 @@ class VllmRunner:
         if self._capture is None:
             return True
         try:
-            self.extract(["."], list(self._capture[0]), self._capture[1])
+            self.extract(["."], list(self._capture[0]), self._capture[1]).release()
         except Exception:  # noqa: BLE001 - any failure means the engine cannot be trusted with a batch
             log.warning("engine failed its health probe", exc_info=True)
             return False

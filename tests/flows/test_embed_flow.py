@@ -132,6 +132,25 @@ def test_end_to_end(run, tmp_path, tiny_model):
     assert cos.min() > 0.99999
 
 
+def test_a_bfloat16_run_stores_the_engine_s_values_exactly_as_float32(run, tmp_path, tiny_model):
+    """A bfloat16 engine's vectors travel as 16-bit patterns and are stored as the float32 values they are:
+    every stored value has an all-zero low half, and they agree with transformers in bfloat16."""
+    from layertap import Store
+    from layertap.runner.hf_runner import HfRunner
+
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    summary, _ = run([source], dtype="bfloat16", batch_size=3)  # several batches, parity-checked on the first
+    assert summary["embedded"] == DISTINCT and summary["batches"] == 3 and not summary["quarantined"]
+    table = Store(summary["store"]).embeddings(layer=4)
+    texts = table.column("text").to_pylist()
+    ours = np.asarray(table.column("embedding").combine_chunks().flatten(), np.float32).reshape(len(texts), -1)
+    assert table.schema.field("embedding").type.value_type == "float"
+    assert not (ours.view(np.uint32) & 0xFFFF).any()
+    reference = HfRunner(tiny_model, "bfloat16").extract(texts, [4], "last").vectors[4]
+    cos = (ours * reference).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1))
+    assert cos.min() > 0.99
+
+
 def test_a_batch_over_the_file_limit_is_written_as_several_files_and_read_back_whole(run, tmp_path, tiny_model,
                                                                                   monkeypatch):
     from layertap import Store

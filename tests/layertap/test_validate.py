@@ -55,6 +55,22 @@ def test_bad_values_fail_naming_the_check(value, check):
         check_vectors(data, [0, 3], 6, 8)
 
 
+@pytest.mark.parametrize(("value", "check"), [(np.nan, "finite"), (-np.inf, "finite"), (-0.0, "non-zero")])
+def test_bad_bfloat16_values_fail_naming_the_check(value, check):
+    """A bfloat16 engine's vectors are checked as they arrive, as 16-bit patterns."""
+    from layertap.bfloat16 import from_bits
+
+    def truncated(data):  # float32 -> bfloat16 by dropping the low half (exact for these values)
+        return {layer: from_bits((a.view(np.uint32) >> 16).astype(np.uint16)) for layer, a in data.items()}
+
+    data = vectors()
+    check_vectors(truncated(data), [0, 3], 6, 8)
+    data[3][4, :] = 0.0 if check == "finite" else -0.0
+    data[3][4, 5] = value  # one bad value is enough
+    with pytest.raises(ValidationError, match=f"check '{check}': layer 3 has 1 "):
+        check_vectors(truncated(data), [0, 3], 6, 8)
+
+
 def test_missing_layer_fails():
     with pytest.raises(ValidationError, match="layers present"):
         check_vectors(vectors(layers=(0,)), [0, 3], 6, 8)

@@ -42,6 +42,33 @@ def test_float16_and_bfloat16_storage(tmp_path):
     assert bf.schema.field("layer_1").type == pa.list_(pa.float32(), 4)
 
 
+def test_bfloat16_vectors_are_widened_exactly_one_row_group_at_a_time(tmp_path, monkeypatch):
+    """A bfloat16 engine's vectors (16-bit patterns) are stored as the float32 values they are, converted
+    a row group at a time so a file being written never holds all of its converted vectors at once."""
+    from layertap import writer
+    from layertap.bfloat16 import from_bits
+
+    hashes = [f"{i:064x}" for i in range(10)]
+    wide = vectors([0, 7], n=10, hidden=6, seed=3)
+    patterns = {layer: from_bits((a.view(np.uint32) >> 16).astype(np.uint16)) for layer, a in wide.items()}
+    exact = {layer: (a.view(np.uint32) & 0xFFFF0000).view(np.float32) for layer, a in wide.items()}
+    monkeypatch.setattr(writer, "CONVERTED_ROW_GROUP_BYTES", 3 * 2 * 6 * 4)  # three rows of two layers
+    path = tmp_path / write_part(tmp_path, "e", "bf", hashes, patterns, "bfloat16")
+    file = pq.ParquetFile(path)
+    assert [file.metadata.row_group(k).num_rows for k in range(file.num_row_groups)] == [3, 3, 3, 1]
+    table = file.read()
+    assert table.schema.field("layer_7").type == pa.list_(pa.float32(), 6)
+    assert table["prompt_hash"].to_pylist() == hashes
+    for layer, expected in exact.items():
+        got = np.asarray(table[f"layer_{layer}"].combine_chunks().flatten()).reshape(10, 6)
+        np.testing.assert_array_equal(got, expected)
+    # float32 vectors stored as float32 are read in place: one row group, whatever the limit.
+    plain = pq.ParquetFile(tmp_path / write_part(tmp_path, "e", "f32", hashes, wide, "float32"))
+    assert plain.num_row_groups == 1
+    with pytest.raises(ValueError, match="one \\[10, hidden\\] array per layer"):
+        write_part(tmp_path, "e", "short", hashes, {0: patterns[0][:9], 7: patterns[7]}, "bfloat16")
+
+
 def test_staging_is_left_empty_and_rewrite_replaces(tmp_path):
     write_part(tmp_path, "e", "p", HASHES, vectors([0], seed=1), "float32")
     relpath = write_part(tmp_path, "e", "p", HASHES, vectors([0], seed=2), "float32")

@@ -1,20 +1,21 @@
 """The shared host buffer pool: exact sizes, reuse of the smallest fitting buffer, a bounded idle set,
-files another process maps by path, and removal of what is dropped."""
+views in any precision, files another process maps by path, and removal of what is dropped."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
-from layertap.runner.host_buffers import HostBuffers, map_segment
+from layertap.runner.host_buffers import HostBuffers, map_segment, view_as
 from layertap.runner.vllm_compat import SharedBuffers
 
 
 def test_a_released_buffer_serves_any_batch_it_can_hold():
     pool = HostBuffers()
     view, segment = pool.take((2, 3, 4))
-    assert view.shape == (2, 3, 4) and segment.numel() == 24 and view.data_ptr() == segment.tensor.data_ptr()
+    assert view.shape == (2, 3, 4) and segment.nbytes() == 24 * 4 and view.data_ptr() == segment.tensor.data_ptr()
     pool.give_back(segment)
     smaller, again = pool.take((2, 2, 4))
     assert again is segment and smaller.shape == (2, 2, 4) and pool.allocated == 1
@@ -30,12 +31,12 @@ def test_the_smallest_fitting_buffer_is_taken_and_idle_ones_are_bounded():
         pool.give_back(segment)
     pool.give_back(segments[0])  # handing one back twice does not hold it twice
     # Only two stay idle: the smallest was dropped, and its file removed.
-    assert sorted(s.numel() for s in pool._idle) == [20, 40]
+    assert sorted(s.nbytes() for s in pool._idle) == [80, 160]
     assert not os.path.exists(segments[0].path) and os.path.exists(segments[1].path)
     _, picked = pool.take((15,))
-    assert picked.numel() == 20
+    assert picked.nbytes() == 80
     _, fresh = pool.take((50,))
-    assert fresh.numel() == 50 and pool.allocated == 4
+    assert fresh.nbytes() == 200 and pool.allocated == 4
     pool.clear()
 
 
@@ -44,8 +45,8 @@ def test_another_mapping_of_the_file_sees_the_writes_both_ways():
     pool = HostBuffers()
     view, segment = pool.take((3, 4))
     assert os.path.exists(segment.path)
-    other = map_segment(segment.path)
-    assert other.numel() == 12 and other.data_ptr() != view.data_ptr()
+    other = view_as(map_segment(segment.path), (12,), torch.float32)
+    assert other.data_ptr() != view.data_ptr()
     other.copy_(torch.arange(12, dtype=torch.float32))
     assert view.numpy().sum() == 66
     view[0, 0] = -1
@@ -55,6 +56,23 @@ def test_another_mapping_of_the_file_sees_the_writes_both_ways():
     pool.clear()
     assert pool._idle == [] and not os.path.exists(directory)
     assert other.sum().item() == 65  # a mapping outlives the file
+
+
+def test_half_precision_batches_take_half_the_bytes_and_share_buffers_with_float32_ones():
+    """A buffer is bytes: a bfloat16 batch needs half of what a float32 one of the same shape does, and a
+    buffer released by either serves the other when it is large enough."""
+    pool = HostBuffers()
+    half, segment = pool.take((2, 3, 4), torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and segment.nbytes() == 24 * 2
+    half.copy_(torch.full((2, 3, 4), 1.5))
+    assert view_as(map_segment(segment.path), (24,), torch.bfloat16).float().sum().item() == 36
+    pool.give_back(segment)
+    assert pool.take((2, 3, 2))[1] is segment  # float32, 48 bytes: fits
+    with pytest.raises(ValueError, match="cannot hold"):
+        view_as(segment.tensor, (2, 3, 4), torch.float32)
+    pool.reserve((2, 8, 4), count=1, dtype=torch.float16)
+    assert max(s.nbytes() for s in pool._idle) == 2 * 8 * 4 * 2
+    pool.clear()
 
 
 def test_reserved_buffers_serve_the_batches_that_follow():
@@ -116,8 +134,6 @@ def test_a_full_shared_memory_moves_later_buffers_to_the_temporary_directory(mon
     import errno
     import tempfile
 
-    import pytest
-
     from layertap.runner import host_buffers
 
     if not os.access(host_buffers.SHARED_MEMORY, os.W_OK):
@@ -137,6 +153,6 @@ def test_a_full_shared_memory_moves_later_buffers_to_the_temporary_directory(mon
     view, segment = pool.take((4, 8))
     assert segment.path.startswith(str(tmp_path)) and pool.directory != first and os.listdir(first) == []
     view.fill_(2.0)
-    assert map_segment(segment.path).sum().item() == 64
+    assert view_as(map_segment(segment.path), (32,), torch.float32).sum().item() == 64
     pool.clear()
     assert not os.path.exists(first) and not os.path.exists(pool.directory)

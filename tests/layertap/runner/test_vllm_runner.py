@@ -6,8 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from runner_fixtures import DTYPE, MAX_ABS_ERROR, MIN_COSINE, STEP_TOKENS, varied_prompts
+from runner_fixtures import DTYPE, MAX_ABS_ERROR, MIN_COSINE, REFERENCE_DEVICE, STEP_TOKENS, varied_prompts
 
+from layertap.bfloat16 import as_float32
 from layertap.errors import EngineError
 from layertap.runner import vllm_compat
 
@@ -18,7 +19,7 @@ def assert_parity(ours, reference, layers):
     Row i of ours belongs to prompt ours.kept[i] (vLLM finishes prompts in its own order).
     """
     for layer in layers:
-        got = np.asarray(ours.vectors[layer], np.float64)
+        got = as_float32(ours.vectors[layer]).astype(np.float64)
         ref = np.asarray(reference.vectors[layer], np.float64)[ours.kept]
         assert got.shape == ref.shape, (layer, got.shape, ref.shape)
         cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
@@ -58,7 +59,7 @@ def test_identical_prompts_and_shared_prefixes_with_prefix_caching(pooling, engi
     for _ in range(2):  # the second call finds every prefix cached
         ours = runner.extract(prompts, layers, pooling)
         assert_parity(ours, references("llama").extract(prompts, layers, pooling), layers)
-    same = ours.vectors[2][[ours.kept.index(0), ours.kept.index(2)]]  # one prompt twice: one vector
+    same = as_float32(ours.vectors[2])[[ours.kept.index(0), ours.kept.index(2)]]  # one prompt twice: one vector
     assert np.dot(same[0], same[1]) / np.linalg.norm(same[0]) / np.linalg.norm(same[1]) >= MIN_COSINE
 
 
@@ -130,7 +131,7 @@ def test_host_buffers_are_reused_once_handed_back(engines):
     third = runner.extract(varied_prompts(10, seed=32), layers, "last")  # second still held: a new buffer
     assert runner.host_buffers_allocated == allocated + 1
     assert not np.shares_memory(second.vectors[layers[0]], third.vectors[layers[0]])
-    assert all(np.isfinite(kept_copy[layer]).all() for layer in layers)
+    assert all(np.isfinite(as_float32(kept_copy[layer])).all() for layer in layers)
     second.release()
     third.release()
 
@@ -249,3 +250,36 @@ def test_an_engine_core_in_its_own_process_fills_shared_buffers_and_matches(mode
     finally:
         runner.close()
     assert not os.path.exists(directory)
+
+
+def test_a_bfloat16_engine_hands_its_vectors_over_in_half_the_bytes(model_dirs):
+    """Vectors reach the host in the engine's precision: a bfloat16 batch fills a buffer half the size of
+    a float32 one, holds the values the engine computed (parity with transformers in bfloat16), and its
+    buffer serves the next batch."""
+    import os
+
+    from layertap.bfloat16 import as_float32, is_bfloat16
+    from layertap.runner.hf_runner import HfRunner
+    from layertap.runner.vllm_runner import EngineOptions, VllmRunner
+
+    runner = VllmRunner(EngineOptions(model=model_dirs["llama"], dtype="bfloat16",
+                                      max_num_batched_tokens=STEP_TOKENS, kv_cache_memory_bytes=64 * 2**20))
+    reference = HfRunner(model_dirs["llama"], "bfloat16", device=REFERENCE_DEVICE)
+    try:
+        layers = list(range(runner.num_layers + 1))
+        for seed in (50, 51):
+            prompts = varied_prompts(40, seed=seed)
+            ours = runner.extract(prompts, layers, "last")
+            assert all(is_bfloat16(ours.vectors[layer]) for layer in layers)
+            sizes = [os.path.getsize(entry.path) for entry in os.scandir(runner._host.directory)]
+            assert sizes == [len(layers) * len(prompts) * runner.hidden_size * 2]  # one buffer, reused
+            expected = reference.extract(prompts, layers, "last")
+            for layer in layers:
+                got = as_float32(ours.vectors[layer]).astype(np.float64)
+                ref = np.asarray(expected.vectors[layer], np.float64)[ours.kept]
+                cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
+                assert cos.min() >= 0.99, f"layer {layer}: worst cosine {cos.min()}"
+            ours.release()
+    finally:
+        reference.close()
+        runner.close()

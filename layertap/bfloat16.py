@@ -1,0 +1,52 @@
+"""bfloat16 vectors in numpy, which has no bfloat16 type: the 16-bit patterns under a dtype of their own.
+
+An engine running in bfloat16 hands its vectors over as they are, half the bytes of float32 in host
+memory and on the way from the device. The dtype is a one-field record, so numpy refuses arithmetic on
+the raw patterns instead of silently treating them as integers; `to_float32` widens them exactly (a
+bfloat16 is the top half of a float32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BFLOAT16 = np.dtype([("bfloat16", "<u2")])
+
+_EXPONENT = 0x7F80  # all ones: inf or NaN
+_MAGNITUDE = 0x7FFF  # all zero: +0 or -0
+
+
+def is_bfloat16(array: np.ndarray) -> bool:
+    return array.dtype == BFLOAT16
+
+
+def bits(array: np.ndarray) -> np.ndarray:
+    """The raw 16-bit patterns of a bfloat16 array, as uint16, without a copy."""
+    return array.view(np.uint16)
+
+
+def from_bits(patterns: np.ndarray) -> np.ndarray:
+    """uint16 (or int16) patterns as a bfloat16 array, without a copy."""
+    return patterns.view(np.uint16).view(BFLOAT16)
+
+
+def to_float32(array: np.ndarray) -> np.ndarray:
+    """Exact float32 values of a bfloat16 array (a new array)."""
+    wide = np.empty(array.shape, np.uint32)
+    np.left_shift(bits(array), 16, out=wide, dtype=np.uint32)
+    return wide.view(np.float32)
+
+
+def as_float32(array: np.ndarray) -> np.ndarray:
+    """Any vector array as float32: bfloat16 widened, other dtypes converted (no copy if already float32)."""
+    return to_float32(array) if is_bfloat16(array) else np.asarray(array, dtype=np.float32)
+
+
+def finite_rows(array: np.ndarray) -> np.ndarray:
+    """Per row of a 2-D bfloat16 array: no NaN and no inf."""
+    return ((bits(array) & _EXPONENT) != _EXPONENT).all(axis=1)
+
+
+def nonzero_rows(array: np.ndarray) -> np.ndarray:
+    """Per row of a 2-D bfloat16 array: some value is not zero."""
+    return ((bits(array) & _MAGNITUDE) != 0).any(axis=1)
