@@ -130,7 +130,8 @@ def run_vllm_plain(model_dir: str, prompt_sets: list[list[str]]) -> dict:
 
 
 def _memory_gib() -> dict[str, float]:
-    """VmRSS and its parts: anonymous (heaps, Arrow, torch), file-backed (libraries), shared (host buffers)."""
+    """VmRSS and its parts: anonymous (heaps, Arrow, torch), file-backed (libraries), shared (host buffers);
+    and what Arrow's memory pool has allocated (part of anonymous)."""
     wanted = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
     found = {}
     with open("/proc/self/status") as status:
@@ -138,6 +139,8 @@ def _memory_gib() -> dict[str, float]:
             name = line.split(":", 1)[0]
             if name in wanted:
                 found[wanted[name]] = int(line.split()[1]) / 2**20
+    if "pyarrow" in sys.modules:
+        found["arrow"] = sys.modules["pyarrow"].total_allocated_bytes() / 2**30
     return found
 
 
@@ -147,22 +150,32 @@ def _rss_gib() -> float:
 
 class RssSampler:
     """Peak resident memory while a block runs, sampled every 50 ms (ru_maxrss also counts engine start),
-    with its parts at that moment (`at_peak`)."""
+    with its parts at that moment (`at_peak`) and every `every` seconds (`timeline`: where growth happens)."""
+
+    def __init__(self, every: float = 2.0):
+        self.every = every
+        self.timeline: list[dict[str, float]] = []
 
     def __enter__(self):
         import threading
 
         self.at_peak = _memory_gib()
         self.peak, self._stop = self.at_peak.get("rss", float("nan")), threading.Event()
+        self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def _run(self):
+        noted = -self.every
         while not self._stop.wait(0.05):
             now = _memory_gib()
             if now.get("rss", 0.0) > self.peak:
                 self.peak, self.at_peak = now["rss"], now
+            at = time.perf_counter() - self._started
+            if at - noted >= self.every:
+                self.timeline.append({"s": round(at, 1), **{k: round(v, 3) for k, v in now.items()}})
+                noted = at
 
     def __exit__(self, *exc):
         self._stop.set()
@@ -278,6 +291,7 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
             "host_buffers_allocated": runner.host_buffers_allocated,
             "rss_before_run_gib": rss_before, "peak_rss_during_run_gib": rss.peak,
             "memory_before_run_gib": memory_before, "memory_at_peak_during_run_gib": rss.at_peak,
+            "memory_timeline_gib": rss.timeline,
             "peak_rss_reading_last_layer_back_gib": read_rss.peak,
             "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -297,8 +311,9 @@ def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_pro
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
 
     t0 = time.perf_counter()
+    overrides = json.loads(os.environ.get("BENCH_ENGINE_OPTIONS", "{}"))  # e.g. {"max_num_seqs": 2048}
     runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format="dummy",
-                                      engine_process=engine_process))
+                                      engine_process=engine_process, **overrides))
     startup = time.perf_counter() - t0
     layers = list(range(runner.num_layers + 1))
     runner.extract(prompt_sets[0][:64], layers, "last").release()  # warm-up
@@ -313,6 +328,7 @@ def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_pro
     timing = _passes(run, prompt_sets)
     return {**timing, "startup_s": startup, "capture_buffer_bytes": runner.capture_buffer_bytes,
             "step_tokens": runner.step_tokens, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
+            "engine_options": overrides,
             "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process}
 
 
