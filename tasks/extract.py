@@ -74,7 +74,7 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
     layers = list(batch["layers"])
     truncate_to = truncation_length(settings.model, settings.truncate, settings.max_model_len)
     runner = get_runner(settings)
-    runner.reserve_host_buffers(settings.batch_size, len(layers), settings.batches_in_flight)
+    runner.reserve_host_buffers(settings.batch_size, len(layers), settings.batches_in_flight, settings.pooling)
     started = time.perf_counter()
     try:
         options = {"truncate_to": truncate_to} if truncate_to else {}

@@ -47,7 +47,8 @@ from layertap.runner.vllm_compat import (
 
 log = logging.getLogger(__name__)
 
-# Vectors reach the host in the engine's own precision: half-precision engines move and hold half the bytes.
+# Last-token vectors reach the host in the engine's own precision: half-precision engines move and hold
+# half the bytes. Means are summed in float32 and kept so: a mean carries more precision than its inputs.
 HOST_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPES = tuple(HOST_DTYPES)
 CPU_KV_CACHE_BYTES = 2**30
@@ -126,7 +127,6 @@ class VllmRunner:
         self.num_layers, self.hidden_size = info.num_layers, info.hidden_size
         if options.dtype not in DTYPES:
             raise EngineError(f"dtype: expected one of {', '.join(DTYPES)}, got {options.dtype!r}")
-        self.host_dtype = HOST_DTYPES[options.dtype]
         on_cpu = _on_cpu()
         # Read by vLLM when the engine starts, below.
         self.engine_process = options.engine_process
@@ -231,7 +231,7 @@ class VllmRunner:
         with self._gate:
             self._check_usable()
             engine = self.llm.llm_engine
-        vectors, segment = self._host.take((len(layers), len(kept), self.hidden_size), self.host_dtype)
+        vectors, segment = self._host.take((len(layers), len(kept), self.hidden_size), self.host_dtype(pooling))
         job = _Job(key=f"j{next(self._ids)}", capture=(layers, pooling),
                    token_ids=[token_ids[i] for i in kept], segment=segment, dtype=vectors.dtype)
         try:
@@ -370,10 +370,14 @@ class VllmRunner:
         self.capture_buffer_bytes = max(sizes)
         self._capture = (layers, pooling)
 
-    def reserve_host_buffers(self, prompts: int, layers: int, count: int) -> None:
+    def host_dtype(self, pooling: str) -> torch.dtype:
+        """The precision a batch's vectors are handed over in."""
+        return torch.float32 if pooling == "mean" else HOST_DTYPES[self.options.dtype]
+
+    def reserve_host_buffers(self, prompts: int, layers: int, count: int, pooling: str = "last") -> None:
         """Make host buffers for `count` batches of up to `prompts` prompts x `layers` layers before they run,
         and have the worker map (on a GPU, page-lock) them now rather than inside an engine step."""
-        made = self._host.reserve((layers, prompts, self.hidden_size), count, self.host_dtype)
+        made = self._host.reserve((layers, prompts, self.hidden_size), count, self.host_dtype(pooling))
         if made:
             self._in_engine_thread(lambda: self.llm.collective_rpc("layertap_map_buffers", args=(made,)))
 

@@ -252,10 +252,10 @@ def test_an_engine_core_in_its_own_process_fills_shared_buffers_and_matches(mode
     assert not os.path.exists(directory)
 
 
-def test_a_bfloat16_engine_hands_its_vectors_over_in_half_the_bytes(model_dirs):
-    """Vectors reach the host in the engine's precision: a bfloat16 batch fills a buffer half the size of
-    a float32 one, holds the values the engine computed (parity with transformers in bfloat16), and its
-    buffer serves the next batch."""
+def test_a_bfloat16_engine_hands_last_tokens_over_in_half_the_bytes_and_means_in_float32(model_dirs):
+    """Last-token vectors reach the host in the engine's precision: a bfloat16 batch fills a buffer half the
+    size of a float32 one, holds the values the engine computed (parity with transformers in bfloat16), and
+    its buffer serves the next batch. Means are summed in float32 and handed over so."""
     import os
 
     from layertap.bfloat16 import as_float32, is_bfloat16
@@ -265,21 +265,32 @@ def test_a_bfloat16_engine_hands_its_vectors_over_in_half_the_bytes(model_dirs):
     runner = VllmRunner(EngineOptions(model=model_dirs["llama"], dtype="bfloat16",
                                       max_num_batched_tokens=STEP_TOKENS, kv_cache_memory_bytes=64 * 2**20))
     reference = HfRunner(model_dirs["llama"], "bfloat16", device=REFERENCE_DEVICE)
+
+    def buffer_sizes():
+        return sorted(os.path.getsize(entry.path) for entry in os.scandir(runner._host.directory))
+
+    def assert_close(ours, expected):
+        for layer in layers:
+            got = as_float32(ours.vectors[layer]).astype(np.float64)
+            ref = np.asarray(expected.vectors[layer], np.float64)[ours.kept]
+            cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
+            assert cos.min() >= 0.99, f"layer {layer}: worst cosine {cos.min()}"
+
     try:
         layers = list(range(runner.num_layers + 1))
+        one_batch = len(layers) * 40 * runner.hidden_size
         for seed in (50, 51):
             prompts = varied_prompts(40, seed=seed)
             ours = runner.extract(prompts, layers, "last")
             assert all(is_bfloat16(ours.vectors[layer]) for layer in layers)
-            sizes = [os.path.getsize(entry.path) for entry in os.scandir(runner._host.directory)]
-            assert sizes == [len(layers) * len(prompts) * runner.hidden_size * 2]  # one buffer, reused
-            expected = reference.extract(prompts, layers, "last")
-            for layer in layers:
-                got = as_float32(ours.vectors[layer]).astype(np.float64)
-                ref = np.asarray(expected.vectors[layer], np.float64)[ours.kept]
-                cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
-                assert cos.min() >= 0.99, f"layer {layer}: worst cosine {cos.min()}"
+            assert buffer_sizes() == [one_batch * 2]  # one buffer, reused by the second batch
+            assert_close(ours, reference.extract(prompts, layers, "last"))
             ours.release()
+        means = runner.extract(prompts, layers, "mean")
+        assert all(means.vectors[layer].dtype == np.float32 for layer in layers)
+        assert buffer_sizes() == [one_batch * 2, one_batch * 4]
+        assert_close(means, reference.extract(prompts, layers, "mean"))
+        means.release()
     finally:
         reference.close()
         runner.close()
