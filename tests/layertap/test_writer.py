@@ -152,7 +152,8 @@ def test_a_large_batch_is_written_as_several_files_holding_its_rows_in_order(tmp
     tables = [pq.read_table(tmp_path / f["relpath"]) for f in files]
     assert [t["prompt_hash"].to_pylist() for t in tables] == [f["prompt_hashes"] for f in files]
     for layer in (0, 3):
-        got = np.concatenate([np.asarray(t[f"layer_{layer}"].combine_chunks().flatten()).reshape(-1, 4) for t in tables])
+        got = np.concatenate([np.asarray(t[f"layer_{layer}"].combine_chunks().flatten()).reshape(-1, 4)
+                              for t in tables])
         np.testing.assert_array_equal(got, vecs[layer])
     again = write_batch_files(tmp_path, "e", "p", hashes, vecs, "float32", max_file_bytes=100, max_files=3)
     assert [f["relpath"] for f in again] == [f["relpath"] for f in files]  # a retry replaces, never adds
