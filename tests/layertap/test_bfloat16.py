@@ -1,0 +1,42 @@
+"""bfloat16 patterns in numpy: widened exactly, checked row by row, and never mistaken for integers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from layertap.bfloat16 import BFLOAT16, as_float32, finite_rows, from_bits, nonzero_rows, to_float32
+
+
+def patterns(values: torch.Tensor) -> np.ndarray:
+    return from_bits(values.to(torch.bfloat16).view(torch.int16).numpy())
+
+
+def test_widening_gives_torch_s_own_float32_values_for_whole_arrays_and_slices():
+    values = torch.randn(6, 10) * 1000
+    values[0, :4] = torch.tensor([float("inf"), float("-inf"), -0.0, 3.0e38])
+    got = patterns(values)
+    assert got.dtype == BFLOAT16
+    expected = values.to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(to_float32(got), expected)
+    np.testing.assert_array_equal(to_float32(got[1:4, 3:9]), expected[1:4, 3:9])  # a strided view
+    np.testing.assert_array_equal(as_float32(got), expected)
+    assert as_float32(expected) is expected  # float32 passes through without a copy
+    assert np.isnan(to_float32(patterns(torch.tensor([float("nan")])))).all()
+
+
+def test_rows_are_checked_on_the_patterns():
+    values = torch.randn(4, 8)
+    values[1, 3] = float("nan")
+    values[2] = 0.0
+    values[2, 5] = -0.0
+    values[3, 7] = float("inf")
+    got = patterns(values)
+    assert finite_rows(got).tolist() == [True, False, True, False]
+    assert nonzero_rows(got).tolist() == [True, True, False, True]
+
+
+def test_arithmetic_on_the_patterns_is_refused():
+    with pytest.raises(TypeError):
+        patterns(torch.ones(2, 2)) * 2
