@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-BFLOAT16 = np.dtype([("bfloat16", "<u2")])
+BFLOAT16 = np.dtype([("bfloat16", np.uint16)])
 
 _EXPONENT = 0x7F80  # all ones: inf or NaN
 _MAGNITUDE = 0x7FFF  # all zero: +0 or -0

@@ -96,7 +96,11 @@ def _row_groups(num_rows: int, vectors: dict[int, np.ndarray], dtype: str) -> li
     if not converted or num_rows == 0:
         return [(0, num_rows)]
     row_bytes = sum(a.shape[1] for a in arrays) * np.dtype(_STORAGE[dtype]).itemsize
-    count = min(num_rows, math.ceil(num_rows * row_bytes / CONVERTED_ROW_GROUP_BYTES))
+    return _even_ranges(num_rows, min(num_rows, math.ceil(num_rows * row_bytes / CONVERTED_ROW_GROUP_BYTES)))
+
+
+def _even_ranges(num_rows: int, count: int) -> list[tuple[int, int]]:
+    """`count` consecutive [start, stop) ranges over `num_rows` rows, their sizes differing by at most one."""
     bounds = [round(k * num_rows / count) for k in range(count + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 
@@ -193,9 +197,7 @@ def file_row_ranges(
     total = num_rows * row_bytes
     needed = math.ceil(total / max(1, max_file_bytes))
     affordable = total // min_file_bytes if min_file_bytes > 0 else 1
-    count = max(1, min(max_files, num_rows, max(needed, affordable)))
-    bounds = [round(k * num_rows / count) for k in range(count + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return _even_ranges(num_rows, max(1, min(max_files, num_rows, max(needed, affordable))))
 
 
 def write_batch_files(
