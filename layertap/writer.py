@@ -78,8 +78,8 @@ def _check_shapes(num_rows: int, vectors: dict[int, np.ndarray], dtype: str) -> 
 
 
 def _part_table(prompt_hashes: list[str], vectors: dict[int, np.ndarray], dtype: str) -> pa.Table:
-    """prompt_hash plus one fixed_size_list<float, H> column per layer, in layer order."""
-    _check_shapes(len(prompt_hashes), vectors, dtype)
+    """prompt_hash plus one fixed_size_list<float, H> column per layer, in layer order (shapes checked by
+    the caller)."""
     columns = {"prompt_hash": pa.array(prompt_hashes, pa.string())}
     for layer in sorted(vectors):
         a = _stored(vectors[layer], dtype)
