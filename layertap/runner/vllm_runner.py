@@ -83,7 +83,6 @@ class _Job:
     capture: tuple[tuple[int, ...], str]
     token_ids: list[list[int]]
     segment: Segment  # the shared host buffer its vectors are copied into
-    dtype: torch.dtype  # the precision they are held in there
     requests: list = field(default_factory=list)  # vLLM's requests, built in the caller's thread
     future: Future = field(default_factory=Future)
     slots: list[int | None] = field(default_factory=list)
@@ -233,7 +232,7 @@ class VllmRunner:
             engine = self.llm.llm_engine
         vectors, segment = self._host.take((len(layers), len(kept), self.hidden_size), self.host_dtype(pooling))
         job = _Job(key=f"j{next(self._ids)}", capture=(layers, pooling),
-                   token_ids=[token_ids[i] for i in kept], segment=segment, dtype=vectors.dtype)
+                   token_ids=[token_ids[i] for i in kept], segment=segment)
         try:
             job.requests = prepare_requests(engine, [f"{job.key}:{i}" for i in range(len(kept))],
                                             job.token_ids, self._params(job), self._tasks)
@@ -328,11 +327,10 @@ class VllmRunner:
             if not isinstance(exc, EngineError) or str(exc) != "the engine is closed":
                 log.error("engine thread stopped: %s", exc)
 
-    @staticmethod
-    def _params(job: _Job):
+    def _params(self, job: _Job):
         from vllm import PoolingParams
 
-        sink = sink_reference(job.segment.path, job.key, len(job.token_ids), job.dtype)
+        sink = sink_reference(job.segment.path, job.key, len(job.token_ids), self.host_dtype(job.capture[1]))
         # Mean pooling needs every prompt token's hidden state, so it must not reuse cached prefixes.
         return PoolingParams(task="embed", skip_reading_prefix_cache=job.capture[1] == "mean",
                              extra_kwargs={SINK_KEY: sink})
