@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 import threading
 from dataclasses import dataclass
 
@@ -40,7 +39,8 @@ import torch
 import torch.nn as nn
 
 from layertap.errors import EngineError
-from layertap.runner.host_buffers import mapping_of, view_as
+from layertap.runner.host_buffers import view_as
+from layertap.runner.worker_buffers import SharedBuffers
 
 log = logging.getLogger(__name__)
 
@@ -276,43 +276,6 @@ def _requests_of(pooled: torch.Tensor, requests: list[int]) -> torch.Tensor:
     return pooled.index_select(1, index)
 
 
-class SharedBuffers:
-    """The caller's host buffers as this worker maps them: by path, once each, page-locked on a GPU so
-    device-to-host copies into them run asynchronously."""
-
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self._maps: dict[str, torch.Tensor] = {}
-        self._pinned: set[str] = set()
-
-    def get(self, path: str) -> torch.Tensor:
-        mapped = self._maps.get(path)
-        if mapped is None:
-            self._forget_removed()
-            mapped = mapping_of(path)
-            if self.pin:
-                nbytes = mapped.numel()  # bytes
-                status = torch.cuda.cudart().cudaHostRegister(mapped.data_ptr(), nbytes, 0)
-                if int(status) == 0:
-                    self._pinned.add(path)
-                else:  # copies into it still work, each one waiting until it is done
-                    log.warning("host buffer %s (%d bytes) could not be page-locked (CUDA error %d): "
-                                "device-to-host copies into it are synchronous", path, nbytes, int(status))
-            self._maps[path] = mapped
-        return mapped
-
-    def mapped(self) -> list[str]:
-        return list(self._maps)
-
-    def _forget_removed(self) -> None:
-        """Drop mappings of buffers the caller has removed (it removes only buffers no batch is using)."""
-        for path in [p for p in self._maps if not os.path.exists(p)]:
-            mapped = self._maps.pop(path)
-            if path in self._pinned:
-                self._pinned.discard(path)
-                torch.cuda.cudart().cudaHostUnregister(mapped.data_ptr())
-
-
 class LayerCapturePooler(nn.Module):
     """Pooler that copies, per finished request, its pooled outputs of the captured layers into the host
     buffer its `PoolingParams.extra_kwargs` names, and returns the row they went to.
@@ -532,6 +495,13 @@ class CaptureWorker:
     def layertap_mapped_buffers(self) -> list[str]:
         """Paths of the host buffers this worker has mapped."""
         return sorted(_tap_of(self).buffers.mapped())
+
+    def layertap_unmap_buffers(self) -> int:
+        """Unlock and drop every host buffer mapping: the runner is closing and removes its buffers."""
+        buffers = _tap_of(self).buffers
+        count = len(buffers.mapped())
+        buffers.close()
+        return count
 
 
 def _tap_of(worker) -> LayerTap:

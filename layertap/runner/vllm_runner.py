@@ -412,6 +412,10 @@ class VllmRunner:
             self._inbox.put(None)
         self._thread.join()
         self.llm = None
+        try:  # a worker in this process unlocks its mappings before the buffers behind them go
+            llm.collective_rpc("layertap_unmap_buffers")
+        except Exception:  # noqa: BLE001 - a failed engine's worker may not answer; its process may be gone
+            log.debug("unmapping host buffers in the engine raised", exc_info=True)
         self._host.clear()
         try:
             llm.llm_engine.engine_core.shutdown()

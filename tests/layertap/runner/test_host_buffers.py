@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from layertap.runner.host_buffers import HostBuffers, map_segment, view_as
-from layertap.runner.vllm_compat import SharedBuffers
 
 
 def test_a_released_buffer_serves_any_batch_it_can_hold():
@@ -86,27 +85,6 @@ def test_reserved_buffers_serve_the_batches_that_follow():
     for segment in taken:
         pool.give_back(segment)
     assert len(pool._idle) == 3  # none dropped: keep grew to the reservation
-    pool.clear()
-
-
-def test_a_worker_in_the_same_process_uses_the_pool_s_own_mapping():
-    """Mapping the same pages twice in one process would count them twice in its resident memory."""
-    pool = HostBuffers()
-    view, segment = pool.take((2, 4))
-    assert SharedBuffers(pin=False).get(segment.path).data_ptr() == view.data_ptr()
-    pool.clear()
-
-
-def test_the_worker_forgets_mappings_of_removed_buffers():
-    """The worker maps each buffer once; a buffer the caller dropped is unmapped when the next one comes."""
-    pool = HostBuffers(keep=0)
-    worker = SharedBuffers(pin=False)
-    _, first = pool.take((8,))
-    assert worker.get(first.path) is worker.get(first.path)
-    pool.give_back(first)  # keep=0: dropped and unlinked at once
-    _, second = pool.take((16,))
-    worker.get(second.path)
-    assert list(worker._maps) == [second.path]
     pool.clear()
 
 
