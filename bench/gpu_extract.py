@@ -183,12 +183,13 @@ class RssSampler:
 
 
 class PhaseTimes:
-    """Time spent inside the extract task's three phases (summed over batches, which overlap): the engine,
-    the in-memory value checks, and the Parquet write; and in the flow's own steps, which run one after
-    another on the flow's thread (`_extracted` is the wait for a batch's extraction). Says what bounds it."""
+    """Time spent inside a batch's task phases (summed over batches, which overlap): the engine, the in-memory
+    value checks, the Parquet write, and the written files' checks (validate-batch, on a worker thread); and
+    in the flow's own steps, which run one after another on the flow's thread (`_extracted` is the wait for
+    a batch's extraction). Says what bounds it."""
 
-    FLOW_STEPS = ("ingest", "normalise", "register_extraction", "plan", "_extracted", "validate_batch",
-                  "publish_batch", "validate_store")
+    FLOW_STEPS = ("ingest", "normalise", "register_extraction", "plan", "_extracted", "publish_batch",
+                  "validate_store")
 
     def __enter__(self):
         import threading
@@ -197,7 +198,7 @@ class PhaseTimes:
 
         import flows.pipeline as pipeline
 
-        self.seconds = {"engine": 0.0, "check_values": 0.0, "write_files": 0.0}
+        self.seconds = {"engine": 0.0, "check_values": 0.0, "write_files": 0.0, "check_files": 0.0}
         self.flow_steps = {name: 0.0 for name in self.FLOW_STEPS}
         self._lock, self._module, self._pipeline = threading.Lock(), extract_task, pipeline
         self._originals = {"extract_splitting": extract_task.extract_splitting,
@@ -207,6 +208,9 @@ class PhaseTimes:
         extract_task.extract_splitting = self._timed("engine", extract_task.extract_splitting)
         extract_task.write_batch_files = self._timed("write_files", extract_task.write_batch_files)
         extract_task.checks.check_vectors = self._timed("check_values", self._check)
+        self._validate = pipeline.validate_batch  # a submitted task: its body is timed on its worker thread
+        self._validate_body = self._validate.fn
+        self._validate.fn = self._timed("check_files", self._validate_body)
         for name, fn in self._flow_originals.items():
             setattr(pipeline, name, self._timed(name, fn, self.flow_steps))
         return self
@@ -229,6 +233,7 @@ class PhaseTimes:
         for name, fn in self._flow_originals.items():
             setattr(self._pipeline, name, fn)
         self._module.checks.check_vectors = self._check
+        self._validate.fn = self._validate_body
 
 
 def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: bool = False) -> dict:

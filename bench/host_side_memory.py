@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_stages import machine  # noqa: E402
-from gpu_extract import LLAMA2_7B, RssSampler, _memory_gib, make_prompts  # noqa: E402
+from gpu_extract import LLAMA2_7B, PhaseTimes, RssSampler, _memory_gib, make_prompts  # noqa: E402
 
 
 class StandInRunner:
@@ -125,7 +125,7 @@ def main() -> int:
             tracemalloc.start(10)
             traced = tracemalloc.take_snapshot()
         before = _memory_gib()
-        with RssSampler(every=5.0) as rss:
+        with RssSampler(every=5.0) as rss, PhaseTimes() as phases:
             start = time.perf_counter()
             summary = embed_flow(input=[str(data)], store=str(work / "store"), **common)
             seconds = time.perf_counter() - start
@@ -143,6 +143,8 @@ def main() -> int:
               "prompts": args.prompts, "embedded": summary["embedded"], "batches": summary["batches"],
               "seconds": round(seconds, 1), "memory_before_gib": before, "memory_after_gib": after,
               "anon_growth_mb_per_batch": round((after["anon"] - before["anon"]) * 1024 / summary["batches"], 2),
+              "task_phase_seconds_summed_over_batches": phases.seconds,
+              "flow_step_seconds_on_flow_thread": phases.flow_steps,
               "peak_rss_gib": rss.peak, "timeline_gib": rss.timeline, "glibc_after": _glibc(),
               "python_allocations_over_the_run": python_growth}
     print(json.dumps({k: v for k, v in report.items() if k != "timeline_gib"}, indent=1))

@@ -90,49 +90,60 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
         batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size, sources)
         planned = sum(b["num_prompts"] for b in batches)
 
-        embedded = refused = tokens = succeeded = done = 0
+        embedded = refused = tokens = succeeded = extracted = done = 0
         quarantined = []
         watch = ProgressArtifact(dataset, planned, len(batches))
         elapsed = run_progress.stopwatch()
         # At most `batches_in_flight` extractions run at once (each holds its vectors in host memory until
-        # written). The next batch is submitted as soon as the oldest one's extraction returns, before that
-        # one is validated and published, so the engine never waits on the flow's own steps; publishing
-        # stays in batch order.
-        waiting, in_flight = deque(batches), deque()
+        # written). The next batch is submitted as soon as the oldest one's extraction returns, so the engine
+        # never waits on the flow's own steps. A part's file checks then run on a worker thread while the
+        # flow publishes the part before it: the flow's thread only waits and publishes, in batch order.
+        waiting, in_flight, checking = deque(batches), deque(), deque()
 
         def fill() -> None:
             while waiting and len(in_flight) < settings.batches_in_flight:
                 batch = waiting.popleft()
                 in_flight.append((batch, extract_batch.submit(store_dir, key["store_uuid"], batch, settings)))
 
+        def publish(batch: dict, part: dict, checked) -> None:
+            nonlocal succeeded, embedded, refused, tokens, done
+            checked.result()  # a failed check has quarantined the part's files: the run stops here
+            published = publish_batch(store_dir, quote(part))
+            succeeded += 1
+            embedded += published["published"]
+            refused += published["rejected"]
+            tokens += part.get("num_tokens", 0)
+            done += batch["num_prompts"]
+            finished = len(quarantined) + succeeded
+            run_progress.report(run_progress.Progress(finished, len(batches), done, planned, elapsed()))
+
         phase_started = time.perf_counter()
         with run_progress.listen(watch):
             fill()
-            while in_flight:
-                done_batch, future = in_flight.popleft()
-                done += done_batch["num_prompts"]
-                try:
-                    part = _extracted(future, store_dir, key["store_uuid"], done_batch, settings)
-                except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
-                    error = " ".join(f"{type(exc).__name__}: {exc}".split())
-                    quarantined.append(quarantine_batch(store_dir, done_batch, error))
-                    if not succeeded and len(quarantined) >= MAX_FAILURES_BEFORE_SUCCESS:
-                        raise EngineError(
-                            f"the first {len(quarantined)} batches all failed; last error: {error}"
-                        ) from None
+            while in_flight or checking:
+                if in_flight:
+                    done_batch, future = in_flight.popleft()
+                    try:
+                        part = _extracted(future, store_dir, key["store_uuid"], done_batch, settings)
+                    except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
+                        error = " ".join(f"{type(exc).__name__}: {exc}".split())
+                        quarantined.append(quarantine_batch(store_dir, done_batch, error))
+                        done += done_batch["num_prompts"]
+                        if not extracted and len(quarantined) >= MAX_FAILURES_BEFORE_SUCCESS:
+                            raise EngineError(
+                                f"the first {len(quarantined)} batches all failed; last error: {error}"
+                            ) from None
+                        part = None
                     fill()
-                    continue
-                fill()
-                # quote(): Prefect would otherwise walk every prompt hash the part lists, looking for
-                # futures, on the flow's thread (~0.1 s per batch of 1024).
-                validate_batch(store_dir, quote(part), key["hidden_size"], settings, parity=succeeded == 0)
-                published = publish_batch(store_dir, quote(part))
-                succeeded += 1
-                embedded += published["published"]
-                refused += published["rejected"]
-                tokens += part.get("num_tokens", 0)
-                finished = len(quarantined) + succeeded
-                run_progress.report(run_progress.Progress(finished, len(batches), done, planned, elapsed()))
+                    if part is not None:
+                        # quote(): Prefect would otherwise walk every prompt hash the part lists, looking for
+                        # futures, on the flow's thread (~0.1 s per batch of 1024).
+                        checking.append((done_batch, part, validate_batch.submit(
+                            store_dir, quote(part), key["hidden_size"], settings, parity=extracted == 0)))
+                        extracted += 1
+                # The newest part's checks overlap the next extraction's wait; the rest are published now.
+                while len(checking) > (1 if in_flight else 0):
+                    publish(*checking.popleft())
         # Batches overlap, so the extraction phase is timed on the wall clock, not summed per batch.
         extract_seconds = time.perf_counter() - phase_started if batches else 0.0
         ledger = validate_store(store_dir, key["rules_id"], eid, layer_list, sources)

@@ -291,30 +291,38 @@ def test_no_more_batches_than_asked_are_in_flight(run, tmp_path, monkeypatch):
 
 
 def test_the_next_batch_is_submitted_before_the_last_one_is_published(run, tmp_path, monkeypatch):
-    """The engine is handed the next batch as soon as a slot frees, not after checking and publishing."""
+    """The engine is handed the next batch as soon as a slot frees, not after checking and publishing; a
+    part's checks are submitted as its extraction returns and run while the part before it is published."""
     import flows.pipeline as pipeline
 
-    events, real_extract, real_publish = [], pipeline.extract_batch, pipeline.publish_batch
+    events, real_extract, real_validate, real_publish = [], pipeline.extract_batch, pipeline.validate_batch, \
+        pipeline.publish_batch
 
-    class RecordedExtract:
-        def submit(self, store, store_uuid, batch, settings):
-            events.append(("submit", batch["batch_id"]))
-            return real_extract.submit(store, store_uuid, batch, settings)
+    class Recorded:
+        def __init__(self, name, task):
+            self.name, self.task = name, task
+
+        def submit(self, store, *args, **kwargs):
+            batch = args[1] if self.name == "submit" else args[0].unquote()  # parts are quoted
+            events.append((self.name, batch["batch_id"]))
+            return self.task.submit(store, *args, **kwargs)
 
         def with_options(self, **options):
-            return real_extract.with_options(**options)
+            return self.task.with_options(**options)
 
     def recorded_publish(store, part):
-        events.append(("publish", part.unquote()["batch_id"]))  # quoted, so Prefect does not walk it
+        events.append(("publish", part.unquote()["batch_id"]))
         return real_publish(store, part)
 
-    monkeypatch.setattr(pipeline, "extract_batch", RecordedExtract())
+    monkeypatch.setattr(pipeline, "extract_batch", Recorded("submit", real_extract))
+    monkeypatch.setattr(pipeline, "validate_batch", Recorded("validate", real_validate))
     monkeypatch.setattr(pipeline, "publish_batch", recorded_publish)
     summary, _ = run([write_jsonl(tmp_path / "in.jsonl", ROWS)], batch_size=2, batches_in_flight=1)
     assert summary["embedded"] == DISTINCT and summary["batches"] == 4
     ids = list(dict.fromkeys(batch_id for _, batch_id in events))
-    assert events == [("submit", ids[0]), ("submit", ids[1]), ("publish", ids[0]), ("submit", ids[2]),
-                      ("publish", ids[1]), ("submit", ids[3]), ("publish", ids[2]), ("publish", ids[3])]
+    assert events == [("submit", ids[0]), ("submit", ids[1]), ("validate", ids[0]), ("submit", ids[2]),
+                      ("validate", ids[1]), ("publish", ids[0]), ("submit", ids[3]), ("validate", ids[2]),
+                      ("publish", ids[1]), ("validate", ids[3]), ("publish", ids[2]), ("publish", ids[3])]
 
 
 def test_mean_pooling_and_period_rules_are_separate_extractions(run, tmp_path, tiny_model):
