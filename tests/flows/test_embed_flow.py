@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import duckdb
@@ -323,6 +324,35 @@ def test_the_next_batch_is_submitted_before_the_last_one_is_published(run, tmp_p
     assert events == [("submit", ids[0]), ("submit", ids[1]), ("validate", ids[0]), ("submit", ids[2]),
                       ("validate", ids[1]), ("publish", ids[0]), ("submit", ids[3]), ("validate", ids[2]),
                       ("publish", ids[1]), ("validate", ids[3]), ("publish", ids[2]), ("publish", ids[3])]
+
+
+def test_a_part_damaged_on_disk_is_quarantined_and_nothing_after_it_is_published(run, tmp_path, monkeypatch):
+    """Checks run beside publication, yet publication stays in batch order: the damaged second part stops the
+    run with the check that failed, the first stays published, no later part is; a rerun completes."""
+    import tasks.extract as extract_task
+
+    real_write, written = extract_task.write_batch_files, []
+
+    def damaging_write(store, *args, **kwargs):
+        files = real_write(store, *args, **kwargs)
+        written.append(files)
+        if len(written) == 2:  # the fault: the second batch's file loses its footer on disk
+            with open(Path(store) / files[0]["relpath"], "r+b") as handle:
+                handle.seek(-16, os.SEEK_END)
+                handle.write(b"\0" * 16)
+        return files
+
+    monkeypatch.setattr(extract_task, "write_batch_files", damaging_write)
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    with pytest.raises(CheckFailed, match="not published: check 'readable'"):
+        run([source], batch_size=2, batches_in_flight=1)
+    store = str(tmp_path / "store")
+    assert [part_id for part_id, _, _ in parts(store)] == [written[0][0]["part_id"]]
+    assert [p.stem for p in (Path(store) / "quarantine").rglob("*.parquet")] == [written[1][0]["part_id"]]
+
+    monkeypatch.setattr(extract_task, "write_batch_files", real_write)
+    summary, _ = run([source], batch_size=2, batches_in_flight=1)
+    assert summary["embedded"] + summary["skipped"] == DISTINCT and len(parts(store)) == 4
 
 
 def test_mean_pooling_and_period_rules_are_separate_extractions(run, tmp_path, tiny_model):
