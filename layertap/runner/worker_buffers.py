@@ -64,7 +64,7 @@ class SharedBuffers:
         self._maps: dict[str, torch.Tensor] = {}
         self._pinned: dict[str, int] = {}  # path -> locked address
         # The finalizer holds the mappings, so they stay mapped until it has unlocked them.
-        self._finalizer = weakref.finalize(self, _unlock_all, self._cuda, self._maps, self._pinned)
+        weakref.finalize(self, _unlock_all, self._cuda, self._maps, self._pinned)
 
     def get(self, path: str) -> torch.Tensor:
         mapped = self._maps.get(path)
@@ -81,7 +81,7 @@ class SharedBuffers:
 
     def close(self) -> None:
         """Unlock and drop every mapping (the engine is closing: its buffers are being removed)."""
-        self._finalizer()
+        _unlock_all(self._cuda, self._maps, self._pinned)
 
     def _lock(self, path: str, mapped: torch.Tensor) -> None:
         status = self._cuda.register(mapped.data_ptr(), mapped.numel())

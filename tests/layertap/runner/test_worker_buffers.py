@@ -67,6 +67,10 @@ def test_closing_unlocks_every_mapping_so_a_later_buffer_at_the_same_address_loc
     assert len(cuda.locked) == 1
     worker.close()
     assert cuda.locked == {} and worker.mapped() == []
+    worker.get(segment.path)  # a closed worker that maps again still unlocks when collected
+    del worker
+    gc.collect()
+    assert cuda.locked == {}
     forgotten = SharedBuffers(pin=True, cuda=cuda)
     forgotten.get(segment.path)
     assert len(cuda.locked) == 1
