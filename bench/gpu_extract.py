@@ -406,6 +406,8 @@ def run_vllm_extract_hidden_states(model_dir: str, prompt_sets: list[list[str]])
 
 def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
     limit = SUBSET.get(mode, {}).get(workload)
+    if os.environ.get("BENCH_SWITCH_INTERVAL"):  # seconds; Python's default is 0.005 (bench/task_overhead.py)
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
     prompt_sets = [make_prompts(workload, variant)[:limit] for variant in range(PASSES)]
     prompts = prompt_sets[-1]  # the measured pass
     try:
@@ -420,6 +422,7 @@ def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
         result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()[-3000:]}
     result["prompts"] = len(prompts)
+    result["switch_interval_s"] = sys.getswitchinterval()
     result["tokens"] = sum(len(p.encode()) + 1 for p in prompts)  # byte-level tokenizer + BOS
     if result["status"] == "ok":
         result["prompts_per_s"] = result["prompts"] / result["seconds"]
