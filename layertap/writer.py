@@ -217,10 +217,8 @@ def write_batch_files(
     batch's part id, so a retried batch replaces its files. All files are waited for before an error is
     raised; files already written stay unpublished, for the retry to replace or the sweep to remove.
     """
-    if dtype not in _STORAGE:
-        raise ValueError(f"dtype must be one of {', '.join(_STORAGE)}, got {dtype!r}")
-    hidden = {a.shape[-1] for a in vectors.values()}
-    row_bytes = len(vectors) * max(hidden, default=0) * np.dtype(_STORAGE[dtype]).itemsize
+    _check_shapes(len(prompt_hashes), vectors, dtype)  # before splitting: rows past the prompts would be cut
+    row_bytes = len(vectors) * next(iter(vectors.values())).shape[1] * np.dtype(_STORAGE[dtype]).itemsize
     ranges = file_row_ranges(len(prompt_hashes), row_bytes, max_file_bytes, max_files or encoder_threads(),
                              min(min_file_bytes, max_file_bytes))
     if len(ranges) <= 1:

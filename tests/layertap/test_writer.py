@@ -160,17 +160,38 @@ def test_a_large_batch_is_written_as_several_files_holding_its_rows_in_order(tmp
     assert len(list((tmp_path / "parts" / "e").iterdir())) == 3
 
 
+@pytest.mark.parametrize("rows", [3, 5])
+def test_vectors_that_do_not_match_the_prompts_are_refused_before_any_file_is_written(tmp_path, rows):
+    """Rows past the prompts would otherwise be cut when the batch is split into files."""
+    hashes = [f"{i:064x}" for i in range(4)]
+    vecs = vectors([0], n=4)
+    vecs[1] = np.zeros((rows, 4), np.float32)
+    with pytest.raises(ValueError, match="one \\[4, hidden\\] array per layer"):
+        write_batch_files(tmp_path, "e", "p", hashes, vecs, "float32", max_file_bytes=1, max_files=4)
+    assert not (tmp_path / "parts").exists() or not list((tmp_path / "parts").rglob("*.parquet"))
+
+
 def test_a_small_batch_stays_one_file_named_by_its_part_id(tmp_path):
     files = write_batch_files(tmp_path, "e", "p", HASHES, vectors([0]), "float32", max_file_bytes=10**6)
     assert files == [{"part_id": "p", "prompt_hashes": HASHES, "relpath": "parts/e/p.parquet"}]
 
 
-def test_a_file_that_fails_fails_the_batch_after_the_others_finish(tmp_path):
+def test_a_file_that_fails_fails_the_batch_after_the_others_finish(tmp_path, monkeypatch):
+    import errno
+
+    import layertap.writer as writer
+
+    real_create = writer.create_file
+
+    def full_disk_for_the_last_file(path, *args):  # the fault, at the OS boundary
+        if "-p-3-" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_create(path, *args)
+
+    monkeypatch.setattr(writer, "create_file", full_disk_for_the_last_file)
     hashes = [f"{i:064x}" for i in range(4)]
-    vecs = vectors([0], n=4)
-    vecs[1] = np.zeros((3, 4), np.float32)  # a layer one row short: its last range cannot be written
-    with pytest.raises(ValueError, match="one \\[1, hidden\\] array per layer"):
-        write_batch_files(tmp_path, "e", "p", hashes, vecs, "float32", max_file_bytes=1, max_files=4)
+    with pytest.raises(OSError, match="No space left on device"):
+        write_batch_files(tmp_path, "e", "p", hashes, vectors([0, 1], n=4), "float32", max_file_bytes=1, max_files=4)
     assert not list((tmp_path / "staging").iterdir())
     written = sorted(p.name for p in (tmp_path / "parts" / "e").iterdir())
     assert written == ["p-0.parquet", "p-1.parquet", "p-2.parquet"]  # left unpublished, for a retry to replace
