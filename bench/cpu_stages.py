@@ -160,6 +160,15 @@ def machine() -> dict:
     return {"nproc": len(os.sched_getaffinity(0)), "cpu_model": model, "memory_gib": round(mem_kb / 2**20, 1)}
 
 
+def save_results(name: str, report: dict) -> Path:
+    """Write a benchmark's report to bench/results/<name>-<date>.json, to be committed with the code."""
+    out = Path(__file__).resolve().parent / "results" / f"{name}-{report['date']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print("wrote", out)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -207,10 +216,7 @@ def main() -> int:
         "met": ratio <= RATIO_TARGET and rerun["wall_s"]["total"] <= RERUN_TARGET_S,
     }
     if not args.no_save:
-        out = Path(__file__).resolve().parent / "results" / f"cpu_stages-{result['date']}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+        save_results("cpu_stages", result)
     return 0 if result["met"] else 1
 
 

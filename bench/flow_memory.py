@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_stages import machine  # noqa: E402
+from cpu_stages import machine, save_results  # noqa: E402
 from gpu_extract import RssSampler, _rss_gib, make_prompts  # noqa: E402
 
 
@@ -65,9 +65,7 @@ def main() -> int:
               "model": "embedded tiny model (4 layers, hidden 128), float32, all 5 hidden states",
               "batch_size": args.batch_size, "runs": runs}
     if not args.no_save:
-        out = Path(__file__).resolve().parent / "results" / f"flow_memory-{report['date']}.json"
-        out.write_text(json.dumps(report, indent=1))
-        print("wrote", out)
+        save_results("flow_memory", report)
     return 0
 
 

@@ -26,7 +26,7 @@ import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_stages import machine  # noqa: E402
+from cpu_stages import machine, save_results  # noqa: E402
 from gpu_extract import LLAMA2_7B, PhaseTimes, RssSampler, _memory_gib, make_prompts  # noqa: E402
 
 
@@ -149,9 +149,7 @@ def main() -> int:
               "python_allocations_over_the_run": python_growth}
     print(json.dumps({k: v for k, v in report.items() if k != "timeline_gib"}, indent=1))
     if not args.no_save:
-        out = Path(__file__).resolve().parent / "results" / f"host_side_memory-{report['date']}.json"
-        out.write_text(json.dumps(report, indent=1))
-        print("wrote", out)
+        save_results("host_side_memory", report)
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

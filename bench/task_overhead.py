@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import sys
 import tempfile
 import threading
@@ -25,7 +24,7 @@ from pathlib import Path
 import duckdb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_stages import machine  # noqa: E402
+from cpu_stages import machine, save_results  # noqa: E402
 
 
 class Spinners:
@@ -102,9 +101,7 @@ def main() -> int:
     report = {"date": dt.date.today().isoformat(), "machine": machine(), "command": "python " + " ".join(sys.argv),
               "calls": args.calls, "rows": rows}
     if not args.no_save:
-        out = Path(__file__).resolve().parent / "results" / f"task_overhead-{report['date']}.json"
-        out.write_text(json.dumps(report, indent=1))
-        print("wrote", out)
+        save_results("task_overhead", report)
     return 0
 
 
