@@ -37,7 +37,7 @@ _STORAGE = {"float32": np.float32, "bfloat16": np.float32, "float16": np.float16
 # Vectors that must be converted to their stored type (bfloat16 ones) are converted one row group at a time,
 # just before it is encoded, so a file being written holds at most this many converted bytes. Files a batch
 # is split into (~35 MB for a 7B model's 1024 prompts on 16 cores) stay one row group: smaller groups mean
-# smaller pages, which compress worse, and a long run on the H200 host took longer with the bytes it wrote.
+# smaller pages, which compress worse (100,000 prompts on the H200: 16.5 GB in 8 MB groups, 12.7 GB whole).
 CONVERTED_ROW_GROUP_BYTES = 64_000_000
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
