@@ -454,6 +454,17 @@ class StoreDB:
         return con
 
     def _prepare(self, con: duckdb.DuckDBPyConnection) -> None:
+        # A store of this schema, the usual case, answers in one statement: each one can wait milliseconds
+        # for Python's lock when the engine loop computes in this process, and every task opens the store.
+        try:
+            meta = dict(con.execute(
+                "SELECT key, value FROM meta WHERE key IN ('schema_version', 'store_uuid')").fetchall())
+        except duckdb.CatalogException:  # a new file: no meta table yet
+            meta = {}
+        if meta.get("schema_version") == SCHEMA_VERSION and meta.get("store_uuid"):
+            self._store_uuid = meta["store_uuid"]
+            drop_world_write(self.db_path)
+            return
         con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)")
         if _one(con, "SELECT count(*) FROM meta")[0] == 0:
             con.execute(_SCHEMA)
@@ -707,33 +718,42 @@ class StoreDB:
             "part_id": pa.array([part_id for part_id, _, hashes in files for _ in hashes], pa.string()),
             "prompt_hash": pa.array(every_hash, pa.string()),
         })
+        new_parts = pa.table({
+            "part_id": pa.array(part_ids, pa.string()),
+            "relpath": pa.array([relpath for _, relpath, _ in files], pa.string()),
+            "num_prompts": pa.array([len(hashes) for _, _, hashes in files], pa.int64()),
+        })
+        # Few statements on purpose: each one can wait milliseconds for Python's lock while the engine loop
+        # computes in this process, so the three refusals are looked up in one query.
         with self._publish_lock, self._connect() as con:
             num_layers = self._extraction_rules(con, extraction_id)[1]
             if layers[0] < 0 or layers[-1] > num_layers:
                 raise StoreError(f"part {part_ids[0]}: layers must be within 0..{num_layers}, got {layers}")
             con.register("new_part", new)
+            con.register("new_parts", new_parts)
             con.begin()
-            known = _one(con, "SELECT min(part_id) FROM parts WHERE list_contains($ids, part_id)", {"ids": part_ids})[0]
-            if known is not None:
-                raise StoreError(f"part {known} is already published")
-            unknown = _one(
-                con, "SELECT count(*), min(part_id) FROM new_part n ANTI JOIN prompts p USING (prompt_hash)"
-            )
-            if unknown[0]:
-                raise StoreError(f"part {unknown[1]}: {unknown[0]} prompt hashes are not in the store")
-            clash = _one(
+            known, unknown, unknown_part, clash, clash_part = _one(
                 con,
-                """SELECT count(*), min(n.part_id) FROM new_part n
-                JOIN part_prompts pp ON n.prompt_hash = pp.prompt_hash
-                JOIN parts p ON pp.part_id = p.part_id
-                WHERE p.extraction_id = $eid AND list_has_any(p.layers, $layers)""",
+                """SELECT
+                    (SELECT min(part_id) FROM parts WHERE part_id IN (SELECT part_id FROM new_parts)),
+                    (SELECT count(*) FROM new_part n ANTI JOIN prompts p USING (prompt_hash)),
+                    (SELECT min(part_id) FROM new_part n ANTI JOIN prompts p USING (prompt_hash)),
+                    c.n, c.part
+                FROM (SELECT count(*) AS n, min(n.part_id) AS part FROM new_part n
+                      JOIN part_prompts pp ON n.prompt_hash = pp.prompt_hash
+                      JOIN parts p ON pp.part_id = p.part_id
+                      WHERE p.extraction_id = $eid AND list_has_any(p.layers, $layers)) c""",
                 {"eid": extraction_id, "layers": layers},
             )
-            if clash[0]:
-                raise StoreError(f"part {clash[1]}: {clash[0]} prompts already have some of layers {layers}")
-            con.executemany(
-                "INSERT INTO parts VALUES (?, ?, ?, ?, ?, now())",
-                [[part_id, extraction_id, relpath, layers, len(hashes)] for part_id, relpath, hashes in files],
+            if known is not None:
+                raise StoreError(f"part {known} is already published")
+            if unknown:
+                raise StoreError(f"part {unknown_part}: {unknown} prompt hashes are not in the store")
+            if clash:
+                raise StoreError(f"part {clash_part}: {clash} prompts already have some of layers {layers}")
+            con.execute(
+                "INSERT INTO parts SELECT part_id, $eid, relpath, $layers, num_prompts, now() FROM new_parts",
+                {"eid": extraction_id, "layers": layers},
             )
             con.execute("INSERT INTO part_prompts SELECT part_id, prompt_hash FROM new_part")
             faults.hit("publish.before-commit")
