@@ -198,7 +198,8 @@ class PhaseTimes:
 
         import flows.pipeline as pipeline
 
-        self.seconds = {"engine": 0.0, "check_values": 0.0, "write_files": 0.0, "check_files": 0.0}
+        self.seconds = {"engine": 0.0, "check_values": 0.0, "write_files": 0.0, "check_files": 0.0,
+                        "publish_store": 0.0}
         self.flow_steps = {name: 0.0 for name in self.FLOW_STEPS}
         self._lock, self._module, self._pipeline = threading.Lock(), extract_task, pipeline
         self._originals = {"extract_splitting": extract_task.extract_splitting,
@@ -211,6 +212,9 @@ class PhaseTimes:
         self._validate = pipeline.validate_batch  # a submitted task: its body is timed on its worker thread
         self._validate_body = self._validate.fn
         self._validate.fn = self._timed("check_files", self._validate_body)
+        self._publish = pipeline.publish_batch  # its body (the store transaction), without Prefect's task run
+        self._publish_body = self._publish.fn
+        self._publish.fn = self._timed("publish_store", self._publish_body)
         for name, fn in self._flow_originals.items():
             setattr(pipeline, name, self._timed(name, fn, self.flow_steps))
         return self
@@ -234,6 +238,7 @@ class PhaseTimes:
             setattr(self._pipeline, name, fn)
         self._module.checks.check_vectors = self._check
         self._validate.fn = self._validate_body
+        self._publish.fn = self._publish_body
 
 
 def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: bool = False) -> dict:

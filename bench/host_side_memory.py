@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_stages import machine, save_results  # noqa: E402
 from gpu_extract import LLAMA2_7B, PhaseTimes, RssSampler, _memory_gib, make_prompts  # noqa: E402
+from task_overhead import Spinners  # noqa: E402
 
 
 class StandInRunner:
@@ -91,6 +92,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=30000)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--trace", action="store_true", help="also trace Python allocations (slower)")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="threads computing in Python beside the flow, as vLLM's engine loop does in-process")
     parser.add_argument("--no-save", action="store_true", help="print only; do not write bench/results/")
     args = parser.parse_args()
 
@@ -125,7 +128,7 @@ def main() -> int:
             tracemalloc.start(10)
             traced = tracemalloc.take_snapshot()
         before = _memory_gib()
-        with RssSampler(every=5.0) as rss, PhaseTimes() as phases:
+        with RssSampler(every=5.0) as rss, PhaseTimes() as phases, Spinners(args.busy):
             start = time.perf_counter()
             summary = embed_flow(input=[str(data)], store=str(work / "store"), **common)
             seconds = time.perf_counter() - start
@@ -140,7 +143,7 @@ def main() -> int:
             tracemalloc.stop()
     report = {"date": dt.date.today().isoformat(), "machine": machine(), "command": "python " + " ".join(sys.argv),
               "vectors": f"{LLAMA2_7B['num_hidden_layers'] + 1} layers x {LLAMA2_7B['hidden_size']} {args.dtype}",
-              "prompts": args.prompts, "embedded": summary["embedded"], "batches": summary["batches"],
+              "prompts": args.prompts, "busy_threads": args.busy, "embedded": summary["embedded"], "batches": summary["batches"],
               "seconds": round(seconds, 1), "memory_before_gib": before, "memory_after_gib": after,
               "anon_growth_mb_per_batch": round((after["anon"] - before["anon"]) * 1024 / summary["batches"], 2),
               "task_phase_seconds_summed_over_batches": phases.seconds,
