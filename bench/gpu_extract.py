@@ -188,7 +188,7 @@ class PhaseTimes:
     in the flow's own steps, which run one after another on the flow's thread (`_extracted` is the wait for
     a batch's extraction). Says what bounds it."""
 
-    FLOW_STEPS = ("ingest", "normalise", "register_extraction", "plan", "_extracted", "publish_batch",
+    FLOW_STEPS = ("ingest", "normalise", "register_extraction", "plan", "_extracted", "publish_batches",
                   "validate_store")
 
     def __enter__(self):
@@ -212,7 +212,7 @@ class PhaseTimes:
         self._validate = pipeline.validate_batch  # a submitted task: its body is timed on its worker thread
         self._validate_body = self._validate.fn
         self._validate.fn = self._timed("check_files", self._validate_body)
-        self._publish = pipeline.publish_batch  # its body (the store transaction), without Prefect's task run
+        self._publish = pipeline.publish_batches  # its body (the store transaction), without Prefect's task run
         self._publish_body = self._publish.fn
         self._publish.fn = self._timed("publish_store", self._publish_body)
         for name, fn in self._flow_originals.items():

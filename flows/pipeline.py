@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_first
 from pathlib import Path
 
 from prefect import get_run_logger
@@ -30,7 +32,7 @@ from tasks import (
     normalise,
     part_files,
     plan,
-    publish_batch,
+    publish_batches,
     quarantine_batch,
     register_extraction,
     validate_batch,
@@ -95,9 +97,12 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
         watch = ProgressArtifact(dataset, planned, len(batches))
         elapsed = run_progress.stopwatch()
         # At most `batches_in_flight` extractions run at once (each holds its vectors in host memory until
-        # written). The next batch is submitted as soon as the oldest one's extraction returns, so the engine
-        # never waits on the flow's own steps. A part's file checks then run on a worker thread while the
-        # flow publishes the part before it: the flow's thread only waits and publishes, in batch order.
+        # written). The flow's thread waits for whichever comes first, the oldest extraction or the oldest
+        # part's checks. A finished extraction frees its slot for the next batch at once, so the engine never
+        # waits on the flow's own steps; its part's checks then run on a worker thread. Checked parts are
+        # published in batch order, all that are waiting in one transaction: when publishing is slow (every
+        # store statement waits for Python's lock while the engine loop computes in this process), the
+        # flow publishes fewer, larger groups instead of falling further behind.
         waiting, in_flight, checking = deque(batches), deque(), deque()
 
         def fill() -> None:
@@ -105,45 +110,61 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
                 batch = waiting.popleft()
                 in_flight.append((batch, extract_batch.submit(store_dir, key["store_uuid"], batch, settings)))
 
-        def publish(batch: dict, part: dict, checked) -> None:
+        def take(batch: dict, future) -> None:
+            nonlocal extracted, done
+            try:
+                part = _extracted(future, store_dir, key["store_uuid"], batch, settings)
+            except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
+                error = " ".join(f"{type(exc).__name__}: {exc}".split())
+                quarantined.append(quarantine_batch(store_dir, batch, error))
+                done += batch["num_prompts"]
+                if not extracted and len(quarantined) >= MAX_FAILURES_BEFORE_SUCCESS:
+                    raise EngineError(f"the first {len(quarantined)} batches all failed; last error: {error}") from None
+                fill()
+                return
+            fill()
+            # quote(): Prefect would otherwise walk every prompt hash the part lists, looking for futures, on
+            # the flow's thread (~0.1 s per batch of 1024).
+            checking.append((batch, part, validate_batch.submit(
+                store_dir, quote(part), key["hidden_size"], settings, parity=extracted == 0)))
+            extracted += 1
+
+        def publish_checked() -> None:
+            """Every part waiting, in batch order, once checked; up to the first that fails its checks, which
+            has quarantined its files and stops the run here."""
             nonlocal succeeded, embedded, refused, tokens, done
-            checked.result()  # a failed check has quarantined the part's files: the run stops here
-            published = publish_batch(store_dir, quote(part))
-            succeeded += 1
-            embedded += published["published"]
-            refused += published["rejected"]
-            tokens += part.get("num_tokens", 0)
-            done += batch["num_prompts"]
-            finished = len(quarantined) + succeeded
-            run_progress.report(run_progress.Progress(finished, len(batches), done, planned, elapsed()))
+            ready, failure = [], None
+            while checking:
+                batch, part, checked = checking.popleft()
+                try:
+                    checked.result()
+                except Exception as exc:  # noqa: BLE001 - raised once the parts before it are published
+                    failure = exc
+                    break
+                ready.append((batch, part))
+            if ready:
+                published = publish_batches(store_dir, quote([part for _, part in ready]))
+                for (batch, part), counts in zip(ready, published):
+                    succeeded += 1
+                    embedded += counts["published"]
+                    refused += counts["rejected"]
+                    tokens += part.get("num_tokens", 0)
+                    done += batch["num_prompts"]
+                finished = len(quarantined) + succeeded
+                run_progress.report(run_progress.Progress(finished, len(batches), done, planned, elapsed()))
+            if failure is not None:
+                raise failure
 
         phase_started = time.perf_counter()
         with run_progress.listen(watch):
             fill()
             while in_flight or checking:
-                if in_flight:
-                    done_batch, future = in_flight.popleft()
-                    try:
-                        part = _extracted(future, store_dir, key["store_uuid"], done_batch, settings)
-                    except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
-                        error = " ".join(f"{type(exc).__name__}: {exc}".split())
-                        quarantined.append(quarantine_batch(store_dir, done_batch, error))
-                        done += done_batch["num_prompts"]
-                        if not extracted and len(quarantined) >= MAX_FAILURES_BEFORE_SUCCESS:
-                            raise EngineError(
-                                f"the first {len(quarantined)} batches all failed; last error: {error}"
-                            ) from None
-                        part = None
-                    fill()
-                    if part is not None:
-                        # quote(): Prefect would otherwise walk every prompt hash the part lists, looking for
-                        # futures, on the flow's thread (~0.1 s per batch of 1024).
-                        checking.append((done_batch, part, validate_batch.submit(
-                            store_dir, quote(part), key["hidden_size"], settings, parity=extracted == 0)))
-                        extracted += 1
-                # The newest part's checks overlap the next extraction's wait; the rest are published now.
-                while len(checking) > (1 if in_flight else 0):
-                    publish(*checking.popleft())
+                heads = [queue[0][-1] for queue in (in_flight, checking) if queue]
+                wait_first([future.wrapped_future for future in heads], return_when=FIRST_COMPLETED)
+                while in_flight and in_flight[0][1].wrapped_future.done():
+                    take(*in_flight.popleft())
+                if checking and checking[0][2].wrapped_future.done():
+                    publish_checked()
         # Batches overlap, so the extraction phase is timed on the wall clock, not summed per batch.
         extract_seconds = time.perf_counter() - phase_started if batches else 0.0
         ledger = validate_store(store_dir, key["rules_id"], eid, layer_list, sources)

@@ -8,7 +8,7 @@ from tasks.extract import batch_cache_key, extract_batch, part_files
 from tasks.ingest import ingest
 from tasks.normalise import normalise
 from tasks.plan import plan, register_extraction
-from tasks.publish import publish_batch, validate_batch
+from tasks.publish import publish_batches, validate_batch
 from tasks.quarantine import quarantine_batch
 from tasks.validate import validate_store
 
@@ -19,7 +19,7 @@ __all__ = [
     "normalise",
     "part_files",
     "plan",
-    "publish_batch",
+    "publish_batches",
     "quarantine_batch",
     "register_extraction",
     "validate_batch",

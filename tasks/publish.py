@@ -1,4 +1,4 @@
-"""Check a written part's files, then make them visible in one store transaction (or quarantine them)."""
+"""Check a written part's files (or quarantine them), then make checked parts visible in one store transaction."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from layertap import validate as checks
 from layertap.errors import ValidationError as CheckFailed
 from layertap.file_modes import make_dirs
 from layertap.settings import Settings
-from layertap.store import StoreDB
+from layertap.store import Publication, StoreDB
 from tasks.extract import part_files
 
 
@@ -105,29 +105,30 @@ def _parity(store: str, part: dict, settings: Settings, paths: list[str], stored
     )
 
 
-@task(name="publish-batch", cache_policy=NO_CACHE, result_serializer="json")
-def publish_batch(store: str, part: dict) -> dict:
-    """One DuckDB transaction makes the part's files (already fsynced on disk) visible to readers."""
-    db = StoreDB(store)
-    rejected = part["rejected"]
-    if rejected:
-        db.reject_prompts(part["extraction_id"], rejected)
-    if part.get("truncated"):
-        db.note_prompts(part["extraction_id"], part["truncated"])
-    files = part_files(part)
-    if files:
-        db.publish_parts(
+@task(name="publish-batches", cache_policy=NO_CACHE, result_serializer="json")
+def publish_batches(store: str, parts: list[dict]) -> list[dict]:
+    """One DuckDB transaction makes the parts' files (already fsynced on disk) visible to readers, with the
+    prompts the engine refused or truncated: a flow that fell behind publishes every checked part at once."""
+    StoreDB(store).publish([
+        Publication(
             part["extraction_id"],
             part["layers"],
             [(file["part_id"], file["relpath"],
               file["prompt_hashes"] if file["prompt_hashes"] is not None else _expected(store, part))
-             for file in files],
+             for file in part_files(part)],
+            rejected=part["rejected"],
+            notes=part.get("truncated") or {},
         )
-    get_run_logger().info(
-        "publish batch %s: %d prompts x %d layers%s",
-        part["batch_id"],
-        part["num_prompts"],
-        len(part["layers"]),
-        f", {len(rejected)} rejected by the engine" if rejected else "",
-    )
-    return {"batch_id": part["batch_id"], "published": part["num_prompts"], "rejected": len(rejected)}
+        for part in parts
+    ])
+    logger = get_run_logger()
+    for part in parts:
+        logger.info(
+            "publish batch %s: %d prompts x %d layers%s",
+            part["batch_id"],
+            part["num_prompts"],
+            len(part["layers"]),
+            f", {len(part['rejected'])} rejected by the engine" if part["rejected"] else "",
+        )
+    return [{"batch_id": part["batch_id"], "published": part["num_prompts"], "rejected": len(part["rejected"])}
+            for part in parts]

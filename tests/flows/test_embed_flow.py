@@ -9,6 +9,7 @@ import csv
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import duckdb
@@ -291,13 +292,10 @@ def test_no_more_batches_than_asked_are_in_flight(run, tmp_path, monkeypatch):
     assert state["most"] == 2
 
 
-def test_the_next_batch_is_submitted_before_the_last_one_is_published(run, tmp_path, monkeypatch):
-    """The engine is handed the next batch as soon as a slot frees, not after checking and publishing; a
-    part's checks are submitted as its extraction returns and run while the part before it is published."""
+def record_flow_steps(monkeypatch, events: list, publish_delay: float = 0.0) -> None:
+    """Record, in order, each batch's submission to the engine, the submission of its part's checks, and the
+    publications (one event per publish task run, naming its batches); optionally make publishing slow."""
     import flows.pipeline as pipeline
-
-    events, real_extract, real_validate, real_publish = [], pipeline.extract_batch, pipeline.validate_batch, \
-        pipeline.publish_batch
 
     class Recorded:
         def __init__(self, name, task):
@@ -311,19 +309,49 @@ def test_the_next_batch_is_submitted_before_the_last_one_is_published(run, tmp_p
         def with_options(self, **options):
             return self.task.with_options(**options)
 
-    def recorded_publish(store, part):
-        events.append(("publish", part.unquote()["batch_id"]))
-        return real_publish(store, part)
+    real_publish = pipeline.publish_batches
 
-    monkeypatch.setattr(pipeline, "extract_batch", Recorded("submit", real_extract))
-    monkeypatch.setattr(pipeline, "validate_batch", Recorded("validate", real_validate))
-    monkeypatch.setattr(pipeline, "publish_batch", recorded_publish)
+    def recorded_publish(store, parts):
+        events.append(("publish", tuple(part["batch_id"] for part in parts.unquote())))
+        time.sleep(publish_delay)  # the fault: a store that answers slowly
+        return real_publish(store, parts)
+
+    monkeypatch.setattr(pipeline, "extract_batch", Recorded("submit", pipeline.extract_batch))
+    monkeypatch.setattr(pipeline, "validate_batch", Recorded("validate", pipeline.validate_batch))
+    monkeypatch.setattr(pipeline, "publish_batches", recorded_publish)
+
+
+def test_the_next_batch_is_submitted_before_the_last_one_is_published(run, tmp_path, monkeypatch):
+    """The engine is handed the next batch as soon as a slot frees, before the finished batch is checked
+    or published; parts are published once each, in batch order, each after its checks."""
+    events = []
+    record_flow_steps(monkeypatch, events)
     summary, _ = run([write_jsonl(tmp_path / "in.jsonl", ROWS)], batch_size=2, batches_in_flight=1)
     assert summary["embedded"] == DISTINCT and summary["batches"] == 4
-    ids = list(dict.fromkeys(batch_id for _, batch_id in events))
-    assert events == [("submit", ids[0]), ("submit", ids[1]), ("validate", ids[0]), ("submit", ids[2]),
-                      ("validate", ids[1]), ("publish", ids[0]), ("submit", ids[3]), ("validate", ids[2]),
-                      ("publish", ids[1]), ("validate", ids[3]), ("publish", ids[2]), ("publish", ids[3])]
+    ids = list(dict.fromkeys(batch_id for name, batch_id in events if name == "submit"))
+    assert len(ids) == 4
+    position = {event: i for i, event in enumerate(events) if event[0] != "publish"}
+    published = [(i, batch_id) for i, (name, group) in enumerate(events) if name == "publish" for batch_id in group]
+    assert [batch_id for _, batch_id in published] == ids
+    for i, batch_id in published:
+        assert position[("validate", batch_id)] < i
+    for before, after in zip(ids, ids[1:]):
+        assert position[("submit", after)] < position[("validate", before)]
+
+
+def test_parts_waiting_to_be_published_go_in_one_transaction(run, tmp_path, monkeypatch):
+    """While a publication is slow, the engine goes on: the parts that finish meanwhile are published
+    together, in batch order, each once; the run's counts and the store are as with one part at a time."""
+    events = []
+    record_flow_steps(monkeypatch, events, publish_delay=1.0)
+    summary, _ = run([write_jsonl(tmp_path / "in.jsonl", ROWS)], batch_size=1, batches_in_flight=2)
+    assert summary["embedded"] == DISTINCT and summary["batches"] == DISTINCT
+    groups = [group for name, group in events if name == "publish"]
+    ids = list(dict.fromkeys(batch_id for name, batch_id in events if name == "submit"))
+    assert [batch_id for group in groups for batch_id in group] == ids
+    assert max(len(group) for group in groups) >= 2 and len(groups) < DISTINCT
+    assert len(parts(summary["store"])) == DISTINCT
+    assert summary["ledger"]["embedded"] == DISTINCT
 
 
 def test_a_part_damaged_on_disk_is_quarantined_and_nothing_after_it_is_published(run, tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ import pytest
 
 from layertap.errors import InputError, StoreError
 from layertap.normalise import NormaliseRules, prompt_hash
-from layertap.store import ExtractionKey, Store, StoreDB
+from layertap.store import ExtractionKey, Publication, Store, StoreDB
 from layertap.writer import write_batch_files, write_part
 
 RULES = NormaliseRules()
@@ -262,6 +262,42 @@ def test_publish_part_refuses_duplicates_and_bad_parts(db, inputs):
     assert table(db, "SELECT count(*) FROM parts") == [(1,)]
     db.publish_part(eid, "layer2", relpath, [2], hashes[:2])  # a new layer for the same prompts is fine
     assert db.plan(eid, [0, 1, 2], RULES.rules_id, 100)[0].num_prompts == 5
+
+
+def test_batches_published_together_are_one_transaction(db, tmp_path):
+    """Several batches' files, rejections and notes become visible at once; a refusal of any one of them
+    (against the store or within the group) leaves the store as it was."""
+    db.ingest([str(write_csv(tmp_path / "in.csv", ["p", "q", "r", "s"]))], "text")
+    db.normalise(RULES)
+    eid = db.register_extraction(KEY)
+    p, q, r, s = (prompt_hash(t) for t in "pqrs")
+
+    def part(part_id, hashes, layers=(0, 1)):
+        vecs = {layer: np.zeros((len(hashes), HIDDEN)) for layer in layers}
+        return part_id, write_part(db.root, eid, part_id, hashes, vecs, "float32"), hashes
+
+    def recorded():
+        return (table(db, "SELECT part_id FROM parts ORDER BY part_id"),
+                table(db, "SELECT prompt_hash, reason FROM prompt_rejects"),
+                table(db, "SELECT prompt_hash, note FROM prompt_notes"))
+
+    db.publish([Publication(eid, [0, 1], [part("a", [p])], notes={p: "truncated to 8 tokens"}),
+                Publication(eid, [1, 0], [part("b", [q])]),
+                Publication(eid, [0, 1], [], rejected={r: "longer than max_model_len"})])
+    before = recorded()
+    assert before == ([("a",), ("b",)], [(r, "longer than max_model_len")], [(p, "truncated to 8 tokens")])
+    (batch,) = db.plan(eid, [0, 1], RULES.rules_id, 10)
+    assert db.batch_prompts(batch.batch_id)[0] == [s]
+
+    with pytest.raises(StoreError, match=r"part again: 1 prompts already have some of layers \[1\]"):
+        db.publish([Publication(eid, [0, 1], [part("c", [s])], rejected={q: "refused"}),
+                    Publication(eid, [1], [part("again", [p], layers=(1,))])])
+    with pytest.raises(StoreError, match="parts c1 and c2 share prompts and layers"):
+        db.publish([Publication(eid, [0, 1], [part("c1", [s])]),
+                    Publication(eid, [1, 2], [part("c2", [s], layers=(1, 2))])])
+    assert recorded() == before
+    db.publish([Publication(eid, [0, 1], [part("c1", [s])]), Publication(eid, [2], [part("c2", [s], layers=(2,))])])
+    assert len(recorded()[0]) == 4
 
 
 def test_engine_rejections_leave_the_plan_and_show_in_the_ledger(db, inputs):
