@@ -804,8 +804,8 @@ class StoreDB:
                     raise StoreError(f"unknown extraction {p.extraction_id}")
                 top = num_layers[p.extraction_id]
                 if p.layers[0] < 0 or p.layers[-1] > top:
-                    first = p.files[0][0] if p.files else "of rejections"
-                    raise StoreError(f"part {first}: layers must be within 0..{top}, got {p.layers}")
+                    what = f"part {p.files[0][0]}" if p.files else "rejected prompts"
+                    raise StoreError(f"{what}: layers must be within 0..{top}, got {p.layers}")
             con.begin()
             if published:
                 con.register("new_part", new)
