@@ -143,7 +143,8 @@ def main() -> int:
             tracemalloc.stop()
     report = {"date": dt.date.today().isoformat(), "machine": machine(), "command": "python " + " ".join(sys.argv),
               "vectors": f"{LLAMA2_7B['num_hidden_layers'] + 1} layers x {LLAMA2_7B['hidden_size']} {args.dtype}",
-              "prompts": args.prompts, "busy_threads": args.busy, "embedded": summary["embedded"], "batches": summary["batches"],
+              "prompts": args.prompts, "busy_threads": args.busy, "embedded": summary["embedded"],
+              "batches": summary["batches"],
               "seconds": round(seconds, 1), "memory_before_gib": before, "memory_after_gib": after,
               "anon_growth_mb_per_batch": round((after["anon"] - before["anon"]) * 1024 / summary["batches"], 2),
               "task_phase_seconds_summed_over_batches": phases.seconds,
