@@ -840,20 +840,13 @@ class StoreDB:
         faults.hit("publish.committed")
 
     def reject_prompts(self, extraction_id: str, reasons: dict[str, str]) -> int:
-        """Record prompts the engine refused (e.g. too long), so plans skip them and the ledger says why."""
-        return self._record_once("prompt_rejects", extraction_id, reasons)
-
-    def note_prompts(self, extraction_id: str, notes: dict[str, str]) -> int:
-        """Attach a note to embedded prompts (e.g. truncated to fit); the ledger shows it as the reason."""
-        return self._record_once("prompt_notes", extraction_id, notes)
-
-    def _record_once(self, table: str, extraction_id: str, texts: dict[str, str]) -> int:
-        """Insert (extraction, prompt_hash, text) rows into `table`, keeping a prompt's first text only."""
-        if not texts:
+        """Record prompts the engine refused (e.g. too long), so plans skip them and the ledger says why;
+        a prompt keeps its first reason. Runs record them with their batch's files (`publish`)."""
+        if not reasons:
             return 0
         # The same lock as publishing: a check-then-insert from two threads at once would record twice.
         with self._publish_lock, self._connect() as con:
-            return _insert_once(con, table, [(extraction_id, texts)])
+            return _insert_once(con, "prompt_rejects", [(extraction_id, reasons)])
 
     def quarantine_batch(self, batch_id: str, extraction_id: str, error: str) -> None:
         """Remember a batch that kept failing; its prompts stay planned, so the next run tries them again."""
