@@ -92,8 +92,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=30000)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--trace", action="store_true", help="also trace Python allocations (slower)")
-    parser.add_argument("--busy", type=int, default=0,
-                        help="threads computing in Python beside the flow, as vLLM's engine loop does in-process")
+    parser.add_argument("--busy", type=int, default=None,
+                        help="threads computing in Python beside the flow, as vLLM's engine loop does in-process "
+                             "(the report is saved as host_side_memory-busy<N>-<date>.json)")
     parser.add_argument("--no-save", action="store_true", help="print only; do not write bench/results/")
     args = parser.parse_args()
 
@@ -128,7 +129,7 @@ def main() -> int:
             tracemalloc.start(10)
             traced = tracemalloc.take_snapshot()
         before = _memory_gib()
-        with RssSampler(every=5.0) as rss, PhaseTimes() as phases, Spinners(args.busy):
+        with RssSampler(every=5.0) as rss, PhaseTimes() as phases, Spinners(args.busy or 0):
             start = time.perf_counter()
             summary = embed_flow(input=[str(data)], store=str(work / "store"), **common)
             seconds = time.perf_counter() - start
@@ -143,7 +144,7 @@ def main() -> int:
             tracemalloc.stop()
     report = {"date": dt.date.today().isoformat(), "machine": machine(), "command": "python " + " ".join(sys.argv),
               "vectors": f"{LLAMA2_7B['num_hidden_layers'] + 1} layers x {LLAMA2_7B['hidden_size']} {args.dtype}",
-              "prompts": args.prompts, "busy_threads": args.busy, "embedded": summary["embedded"],
+              "prompts": args.prompts, "busy_threads": args.busy or 0, "embedded": summary["embedded"],
               "batches": summary["batches"],
               "seconds": round(seconds, 1), "memory_before_gib": before, "memory_after_gib": after,
               "anon_growth_mb_per_batch": round((after["anon"] - before["anon"]) * 1024 / summary["batches"], 2),
@@ -153,7 +154,7 @@ def main() -> int:
               "python_allocations_over_the_run": python_growth}
     print(json.dumps({k: v for k, v in report.items() if k != "timeline_gib"}, indent=1))
     if not args.no_save:
-        save_results("host_side_memory", report)
+        save_results("host_side_memory" + ("" if args.busy is None else f"-busy{args.busy}"), report)
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
