@@ -32,7 +32,7 @@ WORKLOADS = {"short": (4096, 18), "medium": (2000, 240), "short100k": (100_000, 
 SUBSET = {"hf_loop": {"short": 256, "medium": 128}, "vllm_extract_hidden_states": {"short": 1024, "medium": 200}}
 MODES = ["hf_loop", "hf_batched", "vllm_plain", "layertap", "layertap_runner", "vllm_extract_hidden_states"]
 # Not in the default set: where the runner's ceiling lies (vLLM's pooling runner with its own pooler).
-DIAGNOSTIC_MODES = ["layertap_runner_engine_process", "layertap_engine_process", "vllm_pooling_eager",
+DIAGNOSTIC_MODES = ["layertap_runner_in_process", "layertap_in_process", "vllm_pooling_eager",
                     "vllm_pooling_compiled", "vllm_pooling_inprocess_async"]
 BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "1024"))
 IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "3"))
@@ -148,13 +148,52 @@ def _rss_gib() -> float:
     return _memory_gib().get("rss", float("nan"))
 
 
+def _descendants(root: int) -> list[int]:
+    """Pids of every process started under `root` (the engine core, Prefect's server), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _tree_pss_gib() -> dict[str, float]:
+    """Proportional set size of this process and each process under it, keyed "name pid" ("self" for this
+    one), and their total: shared pages (the host buffers both the flow and the engine core map) are
+    split between the processes that map them, so the total counts each page once, unlike summed RSS."""
+    found = {}
+    for pid in [os.getpid(), *_descendants(os.getpid())]:
+        try:
+            with open(f"/proc/{pid}/comm") as comm:
+                name = "self" if pid == os.getpid() else f"{comm.read().strip()} {pid}"
+            with open(f"/proc/{pid}/smaps_rollup") as rollup:
+                pss = next(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))
+        except (OSError, StopIteration):
+            continue
+        found[name] = round(pss / 2**20, 3)
+    found["total"] = round(sum(found.values()), 3)
+    return found
+
+
 class RssSampler:
     """Peak resident memory while a block runs, sampled every 50 ms (ru_maxrss also counts engine start),
     with its parts at that moment (`at_peak`) and every `every` seconds (`timeline`: where growth happens)."""
 
-    def __init__(self, every: float = 2.0):
-        self.every = every
+    def __init__(self, every: float = 2.0, tree_every: float = 1.0):
+        self.every, self.tree_every = every, tree_every
         self.timeline: list[dict[str, float]] = []
+        # The whole process tree (`_tree_pss_gib`), sampled less often: reading smaps is dearer.
+        self.tree_peak: dict[str, float] = {}
 
     def __enter__(self):
         import threading
@@ -167,8 +206,14 @@ class RssSampler:
         return self
 
     def _run(self):
-        noted = -self.every
+        noted, tree_noted = -self.every, -self.tree_every
         while not self._stop.wait(0.05):
+            at = time.perf_counter() - self._started
+            if at - tree_noted >= self.tree_every:
+                tree = _tree_pss_gib()
+                if tree["total"] > self.tree_peak.get("total", 0.0):
+                    self.tree_peak = tree
+                tree_noted = at
             now = _memory_gib()
             if now.get("rss", 0.0) > self.peak:
                 self.peak, self.at_peak = now["rss"], now
@@ -241,7 +286,7 @@ class PhaseTimes:
         self._publish.fn = self._publish_body
 
 
-def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: bool = False) -> dict:
+def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: bool | None = None) -> dict:
     """End to end through the `embed` flow: ingest, normalise, plan, extract, write Parquet, validate,
     publish, then read the last layer back through `Store`. The engine is started (and timed) by a
     warm-up run and kept for the measured run, as a worker process keeps it between batches."""
@@ -298,10 +343,11 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
             "part_file_mb": load_settings(env_file=None).part_file_mb, "capture_buffer_bytes": capture,
             "task_phase_seconds_summed_over_batches": phases.seconds,
             "flow_step_seconds_on_flow_thread": phases.flow_steps,
-            "host_buffers_allocated": runner.host_buffers_allocated,
+            "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process,
             "rss_before_run_gib": rss_before, "peak_rss_during_run_gib": rss.peak,
             "memory_before_run_gib": memory_before, "memory_at_peak_during_run_gib": rss.at_peak,
             "memory_timeline_gib": rss.timeline,
+            "peak_pss_of_process_tree_during_run_gib": rss.tree_peak,
             "peak_rss_reading_last_layer_back_gib": read_rss.peak,
             "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -313,7 +359,7 @@ def _extract_and_release(runner, prompts: list[str], layers: list[int]) -> int:
     return len(result.kept)
 
 
-def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_process: bool = False) -> dict:
+def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_process: bool | None = None) -> dict:
     """The hooked runner alone: vectors for every prompt in host memory, no store. Batches are submitted
     from several threads at once, as the flow does, so the engine never drains between them."""
     from concurrent.futures import ThreadPoolExecutor
@@ -342,14 +388,14 @@ def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_pro
             "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process}
 
 
-def run_layertap_runner_engine_process(model_dir: str, prompt_sets: list[list[str]]) -> dict:
-    """The hooked runner with vLLM's engine core in a process of its own (`--engine-process`)."""
-    return run_layertap_runner(model_dir, prompt_sets, engine_process=True)
+def run_layertap_runner_in_process(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    """The hooked runner with vLLM's engine core in the calling process (`--no-engine-process`)."""
+    return run_layertap_runner(model_dir, prompt_sets, engine_process=False)
 
 
-def run_layertap_engine_process(model_dir: str, prompt_sets: list[list[str]]) -> dict:
-    """The flow end to end with vLLM's engine core in a process of its own (`--engine-process`)."""
-    return run_layertap(model_dir, prompt_sets, engine_process=True)
+def run_layertap_in_process(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    """The flow end to end with vLLM's engine core in the calling process (`--no-engine-process`)."""
+    return run_layertap(model_dir, prompt_sets, engine_process=False)
 
 
 def _vllm_pooling(model_dir: str, prompt_sets: list[list[str]], **options) -> dict:

@@ -60,7 +60,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="disable graph capture in the engine")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                   help="run vLLM's engine core in a process of its own (default: in this one)")
+                   help="run vLLM's engine core in a process of its own (default: yes on a GPU, no on a CPU)")
     p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
                    help="allow model folders that ship their own code")
     p.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None,

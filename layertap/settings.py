@@ -65,8 +65,8 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
     enforce_eager: bool | None = None
-    # vLLM's engine core in a process of its own instead of the caller's.
-    engine_process: bool = False
+    # vLLM's engine core in a process of its own instead of the caller's; None: on a GPU, not on a CPU.
+    engine_process: bool | None = None
     trust_remote_code: bool = False
     # "dummy" starts the engine with random weights of the model's shape: for speed runs only.
     load_format: Literal["auto", "dummy"] | None = None

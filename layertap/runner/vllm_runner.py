@@ -4,9 +4,12 @@ Prompts are tokenised by the caller (one fast batch call) and handed to vLLM as 
 can be checked against the ids it was asked for: vLLM returns outputs under its own request ids and this
 runner verifies the match instead of trusting positions.
 
-vLLM's engine core runs in this process unless `EngineOptions.engine_process` asks for a process of its
-own (vLLM's own `LLM` layout: scheduling, the model and layertap's pooler run there, while this process
-tokenises, builds requests and writes results). Either way captured vectors reach this process through
+vLLM's engine core runs in a process of its own on a GPU and in this process on a CPU, unless
+`EngineOptions.engine_process` says otherwise. In its own process (vLLM's own `LLM` layout: scheduling, the
+model and layertap's pooler run there, while this process tokenises, builds requests and writes results)
+the engine loop does not compete with the caller's Python for one interpreter lock, which is what bounds a
+long run on a GPU host (bench/README.md); on a CPU both share the same few cores, and an in-process engine
+starts sooner. Either way captured vectors reach this process through
 shared host buffers (`host_buffers`), not through vLLM's output messages.
 
 One thread owns the engine and keeps it fed: `extract` calls from any number of threads queue their
@@ -71,8 +74,8 @@ class EngineOptions:
     kv_cache_memory_bytes: int | None = None
     seed: int = 0
     # vLLM's engine core in a process of its own, started by spawning (the same way vLLM starts it on a
-    # CPU), so a multi-threaded caller such as a Prefect worker is never forked.
-    engine_process: bool = False
+    # CPU), so a multi-threaded caller such as a Prefect worker is never forked. None: on a GPU only.
+    engine_process: bool | None = None
 
 
 @dataclass
@@ -128,7 +131,7 @@ class VllmRunner:
             raise EngineError(f"dtype: expected one of {', '.join(DTYPES)}, got {options.dtype!r}")
         on_cpu = _on_cpu()
         # Read by vLLM when the engine starts, below.
-        self.engine_process = options.engine_process
+        self.engine_process = (not on_cpu) if options.engine_process is None else options.engine_process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.engine_process else "0"
         if self.engine_process:
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")

@@ -21,7 +21,7 @@ def test_defaults():
     assert s.store == "./layertap-store"
     assert (s.batch_size, s.parity_sample) == (1024, 8)
     assert s.max_num_batched_tokens is None and s.max_model_len is None
-    assert s.gpu_memory_utilization is None and s.enforce_eager is None and s.engine_process is False
+    assert s.gpu_memory_utilization is None and s.enforce_eager is None and s.engine_process is None
     assert (s.tensor_parallel_size, s.trust_remote_code) == (1, False)
 
 

@@ -104,6 +104,20 @@ def test_concurrent_callers_share_the_engine_and_get_their_own_rows(engines, ref
         assert_parity(ours, references("llama").extract(prompts, layers, pooling), layers)
 
 
+def test_by_default_the_engine_core_has_a_process_of_its_own_on_a_gpu_and_shares_this_one_on_a_cpu(engines):
+    """Unasked, the engine loop leaves the caller's interpreter lock on a GPU (where it bounds long runs) and
+    stays in the caller's process on a CPU (same cores either way; it starts sooner)."""
+    from vllm.v1.engine.core_client import InprocClient, MPClient
+
+    from layertap.runner.vllm_runner import _on_cpu
+
+    runner = engines("llama")
+    assert runner.options.engine_process is None
+    client = runner.llm.llm_engine.engine_core
+    assert isinstance(client, InprocClient if _on_cpu() else MPClient), type(client)
+    assert runner.engine_process is not _on_cpu()
+
+
 def test_reserved_host_buffers_are_mapped_by_the_worker_before_any_batch_uses_them(engines):
     """Page-locking a buffer inside an engine step would stall it: reserving maps them up front."""
     import os
