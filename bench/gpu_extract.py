@@ -187,7 +187,8 @@ def _tree_pss_gib() -> dict[str, float]:
 
 class RssSampler:
     """Peak resident memory while a block runs, sampled every 50 ms (ru_maxrss also counts engine start),
-    with its parts at that moment (`at_peak`) and every `every` seconds (`timeline`: where growth happens)."""
+    with its parts at that moment (`at_peak`) and every `every` seconds (`timeline`: where growth happens);
+    and the peak of the whole process tree's PSS, every `tree_every` seconds (`tree_peak`)."""
 
     def __init__(self, every: float = 2.0, tree_every: float = 1.0):
         self.every, self.tree_every = every, tree_every
@@ -217,7 +218,6 @@ class RssSampler:
             now = _memory_gib()
             if now.get("rss", 0.0) > self.peak:
                 self.peak, self.at_peak = now["rss"], now
-            at = time.perf_counter() - self._started
             if at - noted >= self.every:
                 self.timeline.append({"s": round(at, 1), **{k: round(v, 3) for k, v in now.items()}})
                 noted = at
