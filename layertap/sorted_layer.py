@@ -31,6 +31,13 @@ def _read(path: str, column: str, metadata: pq.FileMetaData | None = None) -> tu
         return file.read(columns=[column]).column(0), file.metadata
 
 
+def _same_vectors(kind: pa.DataType, expected: pa.FixedSizeListType) -> bool:
+    """Same width and value type; the list's field name and nullability may differ (older files declared
+    their values nullable)."""
+    return (pa.types.is_fixed_size_list(kind) and kind.list_size == expected.list_size
+            and kind.value_type == expected.value_type)
+
+
 def read_layer_sorted(paths: list[str], column: str) -> tuple[pa.Array, pa.FixedSizeListArray]:
     """(prompt hashes in sorted order, the `column` vector of each, in the same order) over `paths`."""
     if not paths:
@@ -50,7 +57,7 @@ def read_layer_sorted(paths: list[str], column: str) -> tuple[pa.Array, pa.Fixed
         def fill(k: int) -> None:
             at = starts[k]
             for chunk in _read(paths[k], column, footers[k])[0].chunks:
-                if chunk.type != vector_type or chunk.null_count:
+                if not _same_vectors(chunk.type, vector_type) or chunk.null_count:
                     raise StoreError(
                         f"{paths[k]}: column {column} holds {chunk.type} with {chunk.null_count} missing "
                         f"vectors; expected {vector_type} with none missing, as in {paths[0]}"
@@ -61,4 +68,6 @@ def read_layer_sorted(paths: list[str], column: str) -> tuple[pa.Array, pa.Fixed
                 raise StoreError(f"{paths[k]}: {at - starts[k]} vectors for {starts[k + 1] - starts[k]} prompts")
 
         list(pool.map(fill, range(len(paths))))
-    return hashes.take(pa.array(order)), pa.FixedSizeListArray.from_arrays(pa.array(out.reshape(-1)), type=vector_type)
+    # One type whichever files were read: fixed_size_list<item: value type>[width].
+    return hashes.take(pa.array(order)), pa.FixedSizeListArray.from_arrays(pa.array(out.reshape(-1)),
+                                                                           vector_type.list_size)

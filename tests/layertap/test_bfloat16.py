@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from layertap.bfloat16 import BFLOAT16, as_float32, finite_rows, from_bits, nonzero_rows, to_float32
+from layertap.bfloat16 import (
+    BFLOAT16,
+    as_float32,
+    bits,
+    finite_rows,
+    from_bits,
+    nonzero_rows,
+    row_peaks,
+    to_float32,
+)
 
 
 def patterns(values: torch.Tensor) -> np.ndarray:
@@ -40,3 +49,20 @@ def test_rows_are_checked_on_the_patterns():
 def test_arithmetic_on_the_patterns_is_refused():
     with pytest.raises(TypeError):
         patterns(torch.ones(2, 2)) * 2
+
+
+def test_row_peaks_agree_with_the_values_across_blocks_of_rows():
+    """Rows are read in blocks (128 rows of 4096 values here): peaks past the first block are right too."""
+    values = torch.randn(300, 4096)
+    values[0] = -0.0
+    values[129, 4095] = float("inf")
+    values[250, 0] = float("-nan")
+    values[299] = 0.0
+    values[200, 17] = -1e30  # the largest magnitude is negative
+    got = patterns(values)
+    wide = to_float32(got)
+    assert (row_peaks(got) == (bits(got) & 0x7FFF).max(axis=1)).all()
+    assert finite_rows(got).tolist() == np.isfinite(wide).all(axis=1).tolist()
+    assert nonzero_rows(got).tolist() == wide.any(axis=1).tolist()
+    assert np.flatnonzero(~finite_rows(got)).tolist() == [129, 250]
+    assert np.flatnonzero(~nonzero_rows(got)).tolist() == [0, 299]

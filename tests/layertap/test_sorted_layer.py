@@ -6,6 +6,7 @@ import hashlib
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from layertap.errors import StoreError
@@ -37,10 +38,30 @@ def test_rows_from_several_files_come_back_sorted_with_their_own_vectors(tmp_pat
     np.testing.assert_array_equal(got, np.stack([expected[h] for h in sorted(expected)]))
 
 
+def test_files_that_declare_their_values_nullable_read_beside_files_that_do_not(tmp_path):
+    """Files written before vectors were declared non-null stay readable in the same store."""
+    older = tmp_path / "older.parquet"
+    pq.write_table(pa.table({"prompt_hash": _hashes(2, "old"),
+                             "layer_0": pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(8, np.float32)), 4)}),
+                   older)
+    newer = tmp_path / write_part(tmp_path, "e", "new", _hashes(3, "new"), {0: np.ones((3, 4), np.float32)}, "float32")
+    assert not pq.read_schema(newer).field("layer_0").type.value_field.nullable
+    assert pq.read_schema(older).field("layer_0").type.value_field.nullable
+
+    hashes, embedding = read_layer_sorted([str(older), str(newer)], "layer_0")
+
+    expected = {h: 0.0 for h in _hashes(2, "old")} | {h: 1.0 for h in _hashes(3, "new")}
+    assert hashes.to_pylist() == sorted(expected)
+    assert embedding.type == pa.list_(pa.float32(), 4)
+    got = np.asarray(embedding.flatten()).reshape(-1, 4)
+    np.testing.assert_array_equal(got[:, 0], [expected[h] for h in sorted(expected)])
+
+
 def test_a_file_of_another_width_is_named_in_the_error(tmp_path):
     narrow = write_part(tmp_path, "e", "narrow", _hashes(3, "a"), {0: np.ones((3, 4), np.float32)}, "float32")
     wide = write_part(tmp_path, "e", "wide", _hashes(3, "b"), {0: np.ones((3, 6), np.float32)}, "float32")
-    with pytest.raises(StoreError, match="wide.parquet: column layer_0 holds fixed_size_list<element: float>\\[6\\]"):
+    held = "fixed_size_list<element: float not null>\\[6\\]"
+    with pytest.raises(StoreError, match=f"wide.parquet: column layer_0 holds {held}"):
         read_layer_sorted([str(tmp_path / narrow), str(tmp_path / wide)], "layer_0")
 
 

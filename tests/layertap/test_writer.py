@@ -12,6 +12,11 @@ from layertap.writer import MIN_FILE_BYTES, file_row_ranges, write_batch_files, 
 HASHES = ["a" * 64, "b" * 64, "c" * 64]
 
 
+def vector_type(value_type, width):
+    """What a part's layer column holds: every vector and every value present (declared non-null)."""
+    return pa.list_(pa.field("element", value_type, nullable=False), width)
+
+
 def vectors(layers, n=3, hidden=4, seed=0):
     rng = np.random.default_rng(seed)
     return {layer: rng.standard_normal((n, hidden)).astype(np.float32) for layer in layers}
@@ -23,7 +28,8 @@ def test_part_has_one_fixed_size_list_column_per_layer(tmp_path):
     assert relpath == "parts/ext1/part1.parquet"
     table = pq.read_table(tmp_path / relpath)
     assert table.column_names == ["prompt_hash", "layer_0", "layer_5"]
-    assert table.schema.field("layer_0").type == pa.list_(pa.float32(), 4)
+    assert table.schema.field("layer_0").type == vector_type(pa.float32(), 4)
+    assert not any(field.nullable for field in table.schema)
     assert table["prompt_hash"].to_pylist() == HASHES
     for layer, expected in vecs.items():
         got = np.asarray(table[f"layer_{layer}"].combine_chunks().flatten()).reshape(3, 4)
@@ -34,12 +40,12 @@ def test_part_has_one_fixed_size_list_column_per_layer(tmp_path):
 def test_float16_and_bfloat16_storage(tmp_path):
     vecs = vectors([1])
     half = pq.read_table(tmp_path / write_part(tmp_path, "e", "half", HASHES, vecs, "float16"))
-    assert half.schema.field("layer_1").type == pa.list_(pa.float16(), 4)
+    assert half.schema.field("layer_1").type == vector_type(pa.float16(), 4)
     got = np.asarray(half["layer_1"].combine_chunks().flatten()).reshape(3, 4)
     np.testing.assert_array_equal(got, vecs[1].astype(np.float16))
     # Arrow has no bfloat16; float32 holds every bfloat16 value exactly.
     bf = pq.read_table(tmp_path / write_part(tmp_path, "e", "bf", HASHES, vecs, "bfloat16"))
-    assert bf.schema.field("layer_1").type == pa.list_(pa.float32(), 4)
+    assert bf.schema.field("layer_1").type == vector_type(pa.float32(), 4)
 
 
 def test_bfloat16_vectors_are_widened_exactly_one_row_group_at_a_time(tmp_path, monkeypatch):
@@ -57,7 +63,7 @@ def test_bfloat16_vectors_are_widened_exactly_one_row_group_at_a_time(tmp_path, 
     file = pq.ParquetFile(path)
     assert [file.metadata.row_group(k).num_rows for k in range(file.num_row_groups)] == [2, 3, 3, 2]
     table = file.read()
-    assert table.schema.field("layer_7").type == pa.list_(pa.float32(), 6)
+    assert table.schema.field("layer_7").type == vector_type(pa.float32(), 6)
     assert table["prompt_hash"].to_pylist() == hashes
     for layer, expected in exact.items():
         got = np.asarray(table[f"layer_{layer}"].combine_chunks().flatten()).reshape(10, 6)
