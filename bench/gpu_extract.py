@@ -470,10 +470,6 @@ def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
     limit = SUBSET.get(mode, {}).get(workload)
     if os.environ.get("BENCH_SWITCH_INTERVAL"):  # seconds; Python's default is 0.005 (bench/task_overhead.py)
         sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
-    from layertap import yielding_threads
-
-    if os.environ.get("BENCH_ENCODER_NICENESS"):  # 0: encoders and checkers at the engine's priority
-        yielding_threads.NICENESS = int(os.environ["BENCH_ENCODER_NICENESS"])
     prompt_sets = [make_prompts(workload, variant)[:limit] for variant in range(PASSES)]
     prompts = prompt_sets[-1]  # the measured pass
     try:
@@ -489,7 +485,6 @@ def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
                   "traceback": traceback.format_exc()[-3000:]}
     result["prompts"] = len(prompts)
     result["switch_interval_s"] = sys.getswitchinterval()
-    result["encoder_niceness"] = yielding_threads.NICENESS
     result["tokens"] = sum(len(p.encode()) + 1 for p in prompts)  # byte-level tokenizer + BOS
     if result["status"] == "ok":
         result["prompts_per_s"] = result["prompts"] / result["seconds"]

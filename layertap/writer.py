@@ -31,7 +31,6 @@ import pyarrow.parquet as pq
 from layertap import faults
 from layertap.bfloat16 import is_bfloat16, to_float32
 from layertap.file_modes import create_file, make_dirs
-from layertap.yielding_threads import yielding_pool
 
 # bfloat16 vectors are stored as float32, which holds every bfloat16 value exactly (Arrow has no bfloat16).
 _STORAGE = {"float32": np.float32, "bfloat16": np.float32, "float16": np.float16}
@@ -182,12 +181,11 @@ def encoder_threads() -> int:
 
 
 def _encoders() -> ThreadPoolExecutor:
-    """One pool for the process, so batches written at once share the cores instead of oversubscribing them;
-    its threads give way to the engine's (`layertap.yielding_threads`)."""
+    """One pool for the process, so batches written at once share the cores instead of oversubscribing them."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = yielding_pool(encoder_threads(), thread_name_prefix="layertap-parquet")
+            _POOL = ThreadPoolExecutor(encoder_threads(), thread_name_prefix="layertap-parquet")
         return _POOL
 
 

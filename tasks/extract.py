@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from concurrent.futures import wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -20,13 +20,11 @@ from layertap.split_on_oom import extract_splitting
 from layertap.store import StoreDB
 from layertap.truncation import truncation_length, truncation_note
 from layertap.writer import part_id_for, write_batch_files
-from layertap.yielding_threads import yielding_pool
 
 
-# Value checks run beside the Parquet writers, on threads kept for the process (a thread started for each
-# batch left glibc heap behind batch after batch, bench/host_side_memory.py: ~4.5 MB per batch, 1.5 without)
-# that give way to the engine's.
-_CHECKERS = yielding_pool(None, thread_name_prefix="layertap-check")
+# Value checks run beside the Parquet writers, on threads kept for the process: a thread started for each
+# batch left glibc heap behind batch after batch (bench/host_side_memory.py: ~4.5 MB per batch, 1.5 without).
+_CHECKERS = ThreadPoolExecutor(thread_name_prefix="layertap-check")
 
 
 def batch_cache_key(context: Any, parameters: dict[str, Any]) -> str:
