@@ -111,6 +111,23 @@ def _even_ranges(num_rows: int, count: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def part_writer(sink: pa.NativeFile, schema: pa.Schema) -> pq.ParquetWriter:
+    """The Parquet writer every part is encoded with.
+
+    Floats do not compress as they are, but split into byte planes they do: sign/exponent bytes repeat, and
+    bfloat16 values held as float32 have two all-zero planes. LZ4 keeps the encoder and every later read
+    fast; page checksums let readers detect a damaged file.
+    """
+    return pq.ParquetWriter(
+        sink, schema,
+        compression="lz4",
+        use_byte_stream_split=[f"{name}.list.element" for name in schema.names[1:]],
+        use_dictionary=False,
+        write_statistics=["prompt_hash"],
+        write_page_checksum=True,
+    )
+
+
 def write_part(
     store_dir: str | os.PathLike,
     extraction_id: str,
@@ -139,17 +156,7 @@ def write_part(
     os.close(create_file(staged))  # created with the store's file mode, then written by Arrow's own file
     # handle: encoding and writing run without the GIL, so batches in flight write in parallel.
     with pa.OSFile(str(staged), "w") as sink:
-        with pq.ParquetWriter(
-            sink, table.schema,
-            # Floats do not compress as they are, but split into byte planes they do: sign/exponent bytes
-            # repeat, and bfloat16 values held as float32 have two all-zero planes. LZ4 keeps the encoder
-            # and every later read fast; page checksums let readers detect a damaged file.
-            compression="lz4",
-            use_byte_stream_split=[f"{name}.list.element" for name in table.column_names[1:]],
-            use_dictionary=False,
-            write_statistics=["prompt_hash"],
-            write_page_checksum=True,
-        ) as parquet:
+        with part_writer(sink, table.schema) as parquet:
             while table is not None:
                 parquet.write_table(table, row_group_size=max(1, table.num_rows))
                 table = None  # encoded: freed before the next group is converted
