@@ -47,28 +47,18 @@ def as_float32(array: np.ndarray) -> np.ndarray:
     return to_float32(array) if is_bfloat16(array) else np.asarray(array, dtype=np.float32)
 
 
-# Rows are checked a block of about this many bytes at a time, so the masked copy stays in the core's cache.
-_BLOCK_BYTES = 1 << 20
-
-
 def row_peaks(array: np.ndarray) -> np.ndarray:
     """Per row of a 2-D bfloat16 array, the largest magnitude's pattern (sign bit cleared), as uint16.
 
     One pass answers both value checks: a row holds NaN or inf exactly when its peak is at least 0x7F80
-    (exponent all ones), and is all zeros exactly when its peak is 0.
+    (exponent all ones), and is all zeros exactly when its peak is 0. Two numpy calls for the whole array:
+    each gives Python's lock up and must take it back, which costs milliseconds when other threads of the
+    process compute in Python (bench/README.md), more than the pass itself.
     """
     patterns = bits(array)
-    num_rows, width = patterns.shape
-    peaks = np.zeros(num_rows, np.uint16)
-    if width == 0:
-        return peaks
-    rows = max(1, _BLOCK_BYTES // (2 * width))
-    scratch = np.empty((min(rows, num_rows), width), np.uint16)
-    for start in range(0, num_rows, rows):
-        block = patterns[start:start + rows]
-        masked = np.bitwise_and(block, _MAGNITUDE, out=scratch[:len(block)])
-        masked.max(axis=1, out=peaks[start:start + len(block)])
-    return peaks
+    if patterns.shape[1] == 0:
+        return np.zeros(len(patterns), np.uint16)
+    return np.bitwise_and(patterns, _MAGNITUDE).max(axis=1)
 
 
 def finite_rows(array: np.ndarray) -> np.ndarray:
