@@ -331,7 +331,6 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
             seconds = time.perf_counter() - start
         runner = next(iter(engine_cache._runners.values()))
         capture = runner.capture_buffer_bytes
-    encoder_nice = _nice_of_an_encoder_thread()
     store_bytes = sum(f.stat().st_size for f in (work / "store").rglob("*") if f.is_file())
     parquet_files = len(list((work / "store" / "parts").rglob("*.parquet")))
     assert table.num_rows == summary["embedded"] == len(set(prompts)), (table.num_rows, summary)
@@ -345,22 +344,12 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
             "task_phase_seconds_summed_over_batches": phases.seconds,
             "flow_step_seconds_on_flow_thread": phases.flow_steps,
             "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process,
-            "nice_of_an_encoder_thread": encoder_nice, "nice_of_the_flow_thread": os.getpriority(os.PRIO_PROCESS, 0),
             "rss_before_run_gib": rss_before, "peak_rss_during_run_gib": rss.peak,
             "memory_before_run_gib": memory_before, "memory_at_peak_during_run_gib": rss.at_peak,
             "memory_timeline_gib": rss.timeline,
             "peak_pss_of_process_tree_during_run_gib": rss.tree_peak,
             "peak_rss_reading_last_layer_back_gib": read_rss.peak,
             "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-
-
-def _nice_of_an_encoder_thread() -> int:
-    """The priority the Parquet encoders actually ran at (a sandbox may refuse to lower it)."""
-    import threading
-
-    from layertap import writer
-
-    return writer._encoders().submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
 
 
 def _extract_and_release(runner, prompts: list[str], layers: list[int]) -> int:

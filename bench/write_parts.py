@@ -32,8 +32,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_stages import machine  # noqa: E402
 
-from layertap.settings import Settings  # noqa: E402
 from layertap import bfloat16  # noqa: E402
+from layertap.settings import Settings  # noqa: E402
 from layertap.validate import check_vectors  # noqa: E402
 from layertap.writer import _part_table, part_writer, write_batch_files, write_part  # noqa: E402
 
