@@ -82,7 +82,7 @@ def _part_table(prompt_hashes: list[str], vectors: dict[int, np.ndarray], dtype:
     the caller).
 
     Every field is declared non-null, as every value is: Parquet then stores no definition levels for the
-    vectors' floats, which makes encoding 14-23% cheaper (bench/write_parts.py)."""
+    vectors' floats, which makes encoding about a fifth cheaper (bench/write_parts.py)."""
     fields = [pa.field("prompt_hash", pa.string(), nullable=False)]
     columns = [pa.array(prompt_hashes, pa.string())]
     for layer in sorted(vectors):
