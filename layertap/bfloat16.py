@@ -59,13 +59,3 @@ def row_peaks(array: np.ndarray) -> np.ndarray:
     if patterns.shape[1] == 0:
         return np.zeros(len(patterns), np.uint16)
     return np.bitwise_and(patterns, _MAGNITUDE).max(axis=1)
-
-
-def finite_rows(array: np.ndarray) -> np.ndarray:
-    """Per row of a 2-D bfloat16 array: no NaN and no inf."""
-    return row_peaks(array) < EXPONENT_PATTERN
-
-
-def nonzero_rows(array: np.ndarray) -> np.ndarray:
-    """Per row of a 2-D bfloat16 array: some value is not zero."""
-    return row_peaks(array) != 0
