@@ -105,6 +105,10 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
         # flow publishes fewer, larger groups instead of falling further behind.
         waiting, in_flight, checking = deque(batches), deque(), deque()
 
+        def report_progress() -> None:
+            finished = len(quarantined) + succeeded
+            run_progress.report(run_progress.Progress(finished, len(batches), done, planned, elapsed()))
+
         def fill() -> None:
             while waiting and len(in_flight) < settings.batches_in_flight:
                 batch = waiting.popleft()
@@ -118,6 +122,7 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
                 error = " ".join(f"{type(exc).__name__}: {exc}".split())
                 quarantined.append(quarantine_batch(store_dir, batch, error))
                 done += batch["num_prompts"]
+                report_progress()  # the last batch to finish may be this one: the bar must still end
                 if not extracted and len(quarantined) >= MAX_FAILURES_BEFORE_SUCCESS:
                     raise EngineError(f"the first {len(quarantined)} batches all failed; last error: {error}") from None
                 fill()
@@ -150,8 +155,7 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
                     refused += counts["rejected"]
                     tokens += part.get("num_tokens", 0)
                     done += batch["num_prompts"]
-                finished = len(quarantined) + succeeded
-                run_progress.report(run_progress.Progress(finished, len(batches), done, planned, elapsed()))
+                report_progress()
             if failure is not None:
                 raise failure
 

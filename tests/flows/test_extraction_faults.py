@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from layertap import engine_cache, faults
+from layertap import engine_cache, faults, progress
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "shared_engine")
 
@@ -104,6 +104,15 @@ def test_a_batch_that_keeps_failing_is_quarantined_and_the_rest_completes(run, t
     again, _ = run()  # the cause is gone: the quarantined batch is tried again and published
     assert again["planned"] == again["embedded"] == 4 and not again["quarantined"]
     assert statuses(tmp_path / "store") == [("embedded", None)] * len(TEXTS)
+
+
+def test_progress_ends_with_every_batch_done_when_the_last_to_finish_is_quarantined(run, monkeypatch):
+    monkeypatch.setenv(faults.ENV, f"extract:poison={TEXTS[5]}")
+    seen = []
+    with progress.listen(seen.append):
+        summary, _ = run(batch_size=len(TEXTS))  # one batch, which fails every attempt
+    assert [q["prompts"] for q in summary["quarantined"]] == [len(TEXTS)]
+    assert (seen[-1].batches_done, seen[-1].batches_total, seen[-1].prompts_done) == (1, 1, len(TEXTS))
 
 
 def test_a_run_whose_batches_all_fail_stops(run, monkeypatch):
