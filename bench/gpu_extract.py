@@ -32,8 +32,8 @@ WORKLOADS = {"short": (4096, 18), "medium": (2000, 240), "short100k": (100_000, 
 SUBSET = {"hf_loop": {"short": 256, "medium": 128}, "vllm_extract_hidden_states": {"short": 1024, "medium": 200}}
 MODES = ["hf_loop", "hf_batched", "vllm_plain", "layertap", "layertap_runner", "vllm_extract_hidden_states"]
 # Not in the default set: where the runner's ceiling lies (vLLM's pooling runner with its own pooler).
-DIAGNOSTIC_MODES = ["layertap_runner_in_process", "layertap_in_process", "vllm_pooling_eager",
-                    "vllm_pooling_compiled", "vllm_pooling_inprocess_async"]
+DIAGNOSTIC_MODES = ["layertap_runner_writing", "layertap_runner_in_process", "layertap_in_process",
+                    "vllm_pooling_eager", "vllm_pooling_compiled", "vllm_pooling_inprocess_async"]
 BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "1024"))
 IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "3"))
 # Every vLLM-based mode runs its workload this many times on one engine and reports the last pass: the
@@ -386,6 +386,62 @@ def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_pro
             "step_tokens": runner.step_tokens, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
             "engine_options": overrides,
             "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process}
+
+
+def run_layertap_runner_writing(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    """The hooked runner plus each batch's host work as the extract task does it (value checks beside the
+    Parquet files, written to a scratch store), without Prefect or the store's database: which of the two
+    slows the engine in the flow's process."""
+    import hashlib
+    import shutil
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from layertap.runner.vllm_runner import EngineOptions, VllmRunner
+    from layertap.validate import check_vectors
+    from layertap.writer import part_id_for, write_batch_files
+
+    t0 = time.perf_counter()
+    runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format="dummy"))
+    startup = time.perf_counter() - t0
+    layers = list(range(runner.num_layers + 1))
+    runner.extract(prompt_sets[0][:64], layers, "last").release()  # warm-up
+    runner.reserve_host_buffers(BATCH, len(layers), IN_FLIGHT)
+    scratch = Path(tempfile.mkdtemp(prefix="layertap-bench-parts-"))
+    checkers = ThreadPoolExecutor(thread_name_prefix="bench-check")
+    seconds, lock = {"engine": 0.0, "write_files": 0.0}, threading.Lock()
+
+    def one_batch(k_prompts):
+        k, prompts = k_prompts
+        started = time.perf_counter()
+        result = runner.extract(prompts, layers, "last")
+        engine = time.perf_counter() - started
+        hashes = [hashlib.sha256(prompts[i].encode()).hexdigest() for i in result.kept]
+        checked = checkers.submit(check_vectors, result.vectors, layers, len(hashes), runner.hidden_size)
+        started = time.perf_counter()
+        write_batch_files(scratch, "bench", part_id_for("bench", layers, f"batch-{k}"), hashes, result.vectors,
+                          "bfloat16", max_file_bytes=128_000_000)
+        written = time.perf_counter() - started
+        checked.result()
+        result.release()
+        with lock:
+            seconds["engine"] += engine
+            seconds["write_files"] += written
+        return len(hashes)
+
+    def run(prompts):
+        batches = list(enumerate(prompts[i:i + BATCH] for i in range(0, len(prompts), BATCH)))
+        with ThreadPoolExecutor(IN_FLIGHT) as pool:
+            done = sum(pool.map(one_batch, batches))
+        assert done == len(prompts)
+
+    with RssSampler() as rss:
+        timing = _passes(run, prompt_sets)
+    parquet_bytes = sum(f.stat().st_size for f in scratch.rglob("*.parquet"))
+    shutil.rmtree(scratch, ignore_errors=True)
+    return {**timing, "startup_s": startup, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
+            "seconds_summed_over_batches": seconds, "parquet_bytes_all_passes": parquet_bytes,
+            "peak_rss_during_run_gib": rss.peak, "engine_process": runner.engine_process}
 
 
 def run_layertap_runner_in_process(model_dir: str, prompt_sets: list[list[str]]) -> dict:
