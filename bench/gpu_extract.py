@@ -344,6 +344,7 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
             "task_phase_seconds_summed_over_batches": phases.seconds,
             "flow_step_seconds_on_flow_thread": phases.flow_steps,
             "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process,
+            "runner_process": getattr(runner, "runner_process", False),
             "rss_before_run_gib": rss_before, "peak_rss_during_run_gib": rss.peak,
             "memory_before_run_gib": memory_before, "memory_at_peak_during_run_gib": rss.at_peak,
             "memory_timeline_gib": rss.timeline,

@@ -61,6 +61,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="disable graph capture in the engine")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run vLLM's engine core in a process of its own (default: yes on a GPU, no on a CPU)")
+    p.add_argument("--runner-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the runner (vLLM's frontend) in a process of its own, apart from the flow's "
+                        "(default: yes on a GPU, no on a CPU)")
     p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
                    help="allow model folders that ship their own code")
     p.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None,
@@ -192,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
 _SETTING_ARGS = (
     "input", "text_column", "model", "layers", "pooling", "dtype", "store", "remove_period", "batch_size",
     "parity_sample", "batches_in_flight", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
-    "tensor_parallel_size", "enforce_eager", "engine_process", "trust_remote_code", "truncate", "lock_timeout",
+    "tensor_parallel_size", "enforce_eager", "engine_process", "runner_process", "trust_remote_code", "truncate",
+    "lock_timeout",
 )
 
 

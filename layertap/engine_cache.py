@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from layertap.runner.engine_options import EngineOptions
+
 if TYPE_CHECKING:
     from layertap.settings import Settings
 
@@ -39,12 +41,21 @@ def get_runner(settings: Settings):
         _requests += 1
         runner = _runners.get(key)
         if runner is None:
-            from layertap.runner.vllm_runner import EngineOptions, VllmRunner
-
-            runner = VllmRunner(EngineOptions(model=key[0], dtype=settings.dtype, **dict(key[2])))
+            runner = start_runner(EngineOptions(model=key[0], dtype=settings.dtype, **dict(key[2])))
             _runners[key] = runner
             _started += 1
         return runner
+
+
+def start_runner(options: EngineOptions):
+    """A runner in this process, or in one of its own (`EngineOptions.runner_process`; on a GPU by default)."""
+    if options.runner_in_own_process():
+        from layertap.runner.runner_process import RunnerProcess
+
+        return RunnerProcess(options)
+    from layertap.runner.vllm_runner import VllmRunner
+
+    return VllmRunner(options)
 
 
 def discard_runner(settings: Settings, only=None) -> bool:

@@ -19,3 +19,8 @@ class EngineError(LayertapError):
 
 class ValidationError(LayertapError):
     """Extracted vectors failed a check; the batch is not published."""
+
+
+class OutOfDeviceMemory(EngineError):
+    """The device ran out of memory in a runner's own process (its torch.OutOfMemoryError, carried across):
+    the batch was too big for the device right now, so callers split it, as for the error itself."""

@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     enforce_eager: bool | None = None
     # vLLM's engine core in a process of its own instead of the caller's; None: on a GPU, not on a CPU.
     engine_process: bool | None = None
+    # The runner (vLLM's frontend) in a process of its own, apart from the flow's Prefect and writers; None:
+    # on a GPU, not on a CPU.
+    runner_process: bool | None = None
     trust_remote_code: bool = False
     # "dummy" starts the engine with random weights of the model's shape: for speed runs only.
     load_format: Literal["auto", "dummy"] | None = None
@@ -148,6 +151,7 @@ class Settings(BaseSettings):
             "tensor_parallel_size": self.tensor_parallel_size,
             "enforce_eager": self.enforce_eager,
             "engine_process": self.engine_process,
+            "runner_process": self.runner_process,
             "trust_remote_code": self.trust_remote_code,
             "load_format": self.load_format,
         }

@@ -13,12 +13,16 @@ import sys
 import numpy as np
 
 from layertap import faults
+from layertap.errors import OutOfDeviceMemory
 from layertap.runner.base import Extraction
 
 log = logging.getLogger(__name__)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's error in this process, or a runner process's (`OutOfDeviceMemory`)."""
+    if isinstance(exc, OutOfDeviceMemory):
+        return True
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(exc, torch.OutOfMemoryError)
 

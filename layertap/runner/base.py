@@ -19,7 +19,8 @@ class Extraction:
     bfloat16 patterns: `layertap.bfloat16.as_float32` reads any of them); row i belongs to texts[kept[i]].
     `rejected` maps an input position to the reason it was not embedded (e.g. longer than the model allows).
     `truncated` maps an input position that was cut to fit to its original token count.
-    The vectors may live in a buffer the engine reuses: call `release()` once they are written.
+    The vectors may live in a buffer the engine reuses: call `release()` once they are written. `buffer` is
+    that buffer's file when it is shared memory another process can map (`runner_process`).
     """
 
     vectors: dict[int, np.ndarray]
@@ -28,6 +29,7 @@ class Extraction:
     num_tokens: int = 0
     truncated: dict[int, int] = field(default_factory=dict)
     release_fn: Callable[[], None] | None = field(default=None, repr=False)
+    buffer: str | None = None
 
     def release(self) -> None:
         """Hand the vectors' memory back for reuse; `vectors` is emptied so nothing reads it afterwards."""

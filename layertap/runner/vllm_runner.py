@@ -38,6 +38,7 @@ from layertap.bfloat16 import from_bits
 from layertap.errors import EngineError
 from layertap.model_fingerprint import read_model_info
 from layertap.runner.base import POOLINGS, Extraction
+from layertap.runner.engine_options import EngineOptions
 from layertap.runner.host_buffers import HostBuffers, Segment
 from layertap.runner.vllm_compat import (
     EXTENSION,
@@ -55,27 +56,6 @@ log = logging.getLogger(__name__)
 HOST_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPES = tuple(HOST_DTYPES)
 CPU_KV_CACHE_BYTES = 2**30
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Settings that fix an engine instance: changing any of them needs a new engine."""
-
-    model: str
-    dtype: str = "float32"
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    gpu_memory_utilization: float | None = None
-    tensor_parallel_size: int = 1
-    enforce_eager: bool | None = None
-    trust_remote_code: bool = False
-    max_num_seqs: int | None = None
-    load_format: str | None = None
-    kv_cache_memory_bytes: int | None = None
-    seed: int = 0
-    # vLLM's engine core in a process of its own, started by spawning (the same way vLLM starts it on a
-    # CPU), so a multi-threaded caller such as a Prefect worker is never forked. None: on a GPU only.
-    engine_process: bool | None = None
 
 
 @dataclass
@@ -254,7 +234,7 @@ class VllmRunner:
         for position, slot in enumerate(job.slots):
             order[slot] = kept[position]
         return Extraction(self._by_layer(_as_numpy(vectors), layers), order, rejected, num_tokens, truncated,
-                          release_fn=functools.partial(self._host.give_back, segment))
+                          release_fn=functools.partial(self._host.give_back, segment), buffer=segment.path)
 
     def _in_engine_thread(self, fn: Callable[[], Any]) -> Any:
         call = _Call(fn)

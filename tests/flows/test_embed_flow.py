@@ -496,13 +496,17 @@ def test_extract_batch_is_a_cache_hit_for_the_same_store_only(tiny_model, tmp_pa
     assert (tmp_path / "b" / other["files"][0]["relpath"]).is_file()
 
 
-def test_an_engine_core_in_its_own_process_stores_the_same_vectors(run, tmp_path):
-    """engine_process=True: vLLM's engine core in a child process, vectors through shared buffers."""
+@pytest.mark.parametrize("placement", [{"engine_process": True}, {"engine_process": True, "runner_process": True}],
+                         ids=["engine-core-apart", "runner-and-engine-core-apart"])
+def test_an_engine_in_processes_of_its_own_stores_the_same_vectors(placement, run, tmp_path):
+    """engine_process=True: vLLM's engine core in a child process, vectors through shared buffers;
+    runner_process=True too (the default on a GPU): the runner in a child of its own, the core in a
+    grandchild, and the flow's process reads the vectors from the buffers the core filled."""
     from layertap import Store
 
     source = write_jsonl(tmp_path / "in.jsonl", ROWS)
     inline, _ = run([source], store=str(tmp_path / "inline"))
-    separate, _ = run([source], store=str(tmp_path / "separate"), engine_process=True)
+    separate, _ = run([source], store=str(tmp_path / "separate"), **placement)
     assert separate["embedded"] == inline["embedded"] == DISTINCT
     for layer in (0, 2, 4):
         tables = [Store(s["store"]).embeddings(layer=layer).sort_by("prompt_hash") for s in (inline, separate)]
