@@ -19,6 +19,7 @@ import logging
 import math
 import multiprocessing
 import os
+import signal
 import threading
 import weakref
 from concurrent.futures import Future
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from layertap.bfloat16 import from_bits, is_bfloat16
-from layertap.errors import EngineError, OutOfDeviceMemory
+from layertap.errors import EngineError, LayertapError, OutOfDeviceMemory
 from layertap.runner.base import POOLINGS, Extraction
 from layertap.runner.engine_options import EngineOptions
 
@@ -184,6 +185,7 @@ class RunnerProcess:
             if self._closed:
                 return
             self._process.join(5)
+            _stop_group(self._process.pid)  # its engine core, if it had one of its own, goes with it
             self._failure = EngineError(f"the runner process exited (code {self._process.exitcode})")
             log.error("%s", self._failure)
             self._fail_pending(self._failure)
@@ -211,7 +213,19 @@ def _stop_child(process, conn) -> None:
     if process.is_alive():
         process.kill()
         process.join()
+    _stop_group(process.pid)
     conn.close()
+
+
+def _stop_group(pid: int | None) -> None:
+    """Kill what is left of the child's process group: the engine core vLLM started for it, when the child
+    died before it could shut it down (the core would otherwise keep its device memory)."""
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left of the group
 
 
 def _error_from(payload: tuple[str, str]) -> EngineError:
@@ -228,10 +242,14 @@ def serve(conn, options: EngineOptions) -> None:
     from layertap import faults
     from layertap.runner.vllm_runner import VllmRunner
 
+    # A process group of its own, which the engine core vLLM spawns joins: if this process dies, the caller
+    # stops the whole group.
+    os.setpgrp()
     try:
         runner = VllmRunner(options)
     except BaseException as exc:  # noqa: BLE001 - reported to the caller, which raises it
-        conn.send((0, False, _error_payload(exc)))
+        reason = str(exc) if isinstance(exc, LayertapError) else f"{type(exc).__name__}: {exc}"
+        conn.send((0, False, ("engine", f"the runner could not start: {reason}")))
         return
     send_lock, held = threading.Lock(), {}
 

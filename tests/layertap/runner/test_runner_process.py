@@ -21,10 +21,10 @@ from layertap.split_on_oom import extract_splitting
 OOM_ABOVE = 100
 
 
-def start(model_dir: str, faults: str | None = None) -> RunnerProcess:
+def start(model_dir: str, faults: str | None = None, **options) -> RunnerProcess:
     """A runner process on the tiny model; `faults` is LAYERTAP_FAULTS for the child only."""
     options = EngineOptions(model=model_dir, dtype=DTYPE, max_num_batched_tokens=STEP_TOKENS,
-                            kv_cache_memory_bytes=64 * 2**20, runner_process=True)
+                            kv_cache_memory_bytes=64 * 2**20, runner_process=True, **options)
     with pytest.MonkeyPatch.context() as env:
         if faults:
             env.setenv("LAYERTAP_FAULTS", faults)
@@ -98,9 +98,14 @@ def test_closing_stops_the_child_and_removes_its_buffers(model_dirs):
         runner.extract(["a"], [0], "last")
 
 
-def test_a_child_that_dies_fails_its_waiting_callers_and_is_then_unhealthy(model_dirs):
-    runner = start(model_dirs["llama"])
+def test_a_child_that_dies_fails_its_waiting_callers_takes_its_engine_core_along_and_is_unhealthy(model_dirs):
+    """The child's engine core in a process of its own (as on a GPU): killing the child leaves no core behind."""
+    import psutil
+
+    runner = start(model_dirs["llama"], engine_process=True)
     try:
+        started = psutil.Process(runner.pid).children(recursive=True)  # the engine core and vLLM's helpers
+        assert any("EngineCore" in process.name() for process in started), [p.name() for p in started]
         failure: list[BaseException] = []
 
         def call():
@@ -117,6 +122,8 @@ def test_a_child_that_dies_fails_its_waiting_callers_and_is_then_unhealthy(model
         thread.join(60)
         assert len(failure) == 1 and isinstance(failure[0], EngineError), failure
         assert "exited" in str(failure[0]) and "-9" in str(failure[0])
+        _, left = psutil.wait_procs(started, timeout=30)
+        assert not left
         assert not runner.healthy()
         with pytest.raises(EngineError, match="failed earlier"):
             runner.extract(["a"], [0], "last")
@@ -142,3 +149,8 @@ def test_vectors_are_those_the_engine_copied(remote):
     on_disk = np.fromfile(ours.buffer, dtype=ours.vectors[3].dtype, count=ours.vectors[3].size)
     assert np.array_equal(on_disk.reshape(ours.vectors[3].shape), ours.vectors[3])
     ours.release()
+
+
+def test_a_child_that_cannot_start_its_engine_says_why(tmp_path):
+    with pytest.raises(EngineError, match="the runner could not start: model: .* has no config.json"):
+        start(str(tmp_path / "no-such-model"))
