@@ -31,9 +31,11 @@ WORKLOADS = {"short": (4096, 18), "medium": (2000, 240), "short100k": (100_000, 
 # (their cost is linear in prompts; the full set would take minutes or hundreds of GB of /dev/shm).
 SUBSET = {"hf_loop": {"short": 256, "medium": 128}, "vllm_extract_hidden_states": {"short": 1024, "medium": 200}}
 MODES = ["hf_loop", "hf_batched", "vllm_plain", "layertap", "layertap_runner", "vllm_extract_hidden_states"]
-# Not in the default set: where the runner's ceiling lies (vLLM's pooling runner with its own pooler).
-DIAGNOSTIC_MODES = ["layertap_runner_writing", "layertap_runner_in_process", "layertap_in_process",
-                    "vllm_pooling_eager", "vllm_pooling_compiled", "vllm_pooling_inprocess_async"]
+# Not in the default set: where the runner's ceiling lies (vLLM's pooling runner with its own pooler), and
+# which process placement or host work slows the flow.
+DIAGNOSTIC_MODES = ["layertap_runner_writing", "layertap_runner_in_flow", "layertap_runner_in_process",
+                    "layertap_in_process", "vllm_pooling_eager", "vllm_pooling_compiled",
+                    "vllm_pooling_inprocess_async"]
 BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "1024"))
 IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "3"))
 # Every vLLM-based mode runs its workload this many times on one engine and reports the last pass: the
@@ -286,7 +288,8 @@ class PhaseTimes:
         self._publish.fn = self._publish_body
 
 
-def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: bool | None = None) -> dict:
+def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: bool | None = None,
+                 runner_process: bool | None = None) -> dict:
     """End to end through the `embed` flow: ingest, normalise, plan, extract, write Parquet, validate,
     publish, then read the last layer back through `Store`. The engine is started (and timed) by a
     warm-up run and kept for the measured run, as a worker process keeps it between batches."""
@@ -310,7 +313,8 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
         pacsv.write_csv(pa.table({"text": prompts}), data[-1])
     prompts = prompt_sets[-1]
     common = dict(model=model_dir, layers="all", pooling="last", dtype="bfloat16", parity_sample=0,
-                  batch_size=BATCH, batches_in_flight=IN_FLIGHT, engine_process=engine_process)
+                  batch_size=BATCH, batches_in_flight=IN_FLIGHT, engine_process=engine_process,
+                  runner_process=runner_process)
     with engine_cache.pin():
         t0 = time.perf_counter()
         embed_flow(input=[str(warm)], store=str(work / "warm-store"), **common)
@@ -451,8 +455,15 @@ def run_layertap_runner_in_process(model_dir: str, prompt_sets: list[list[str]])
 
 
 def run_layertap_in_process(model_dir: str, prompt_sets: list[list[str]]) -> dict:
-    """The flow end to end with vLLM's engine core in the calling process (`--no-engine-process`)."""
-    return run_layertap(model_dir, prompt_sets, engine_process=False)
+    """The flow end to end with the runner and vLLM's engine core in the flow's process
+    (`--no-runner-process --no-engine-process`)."""
+    return run_layertap(model_dir, prompt_sets, engine_process=False, runner_process=False)
+
+
+def run_layertap_runner_in_flow(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    """The flow end to end with the runner in the flow's process and vLLM's engine core in its own
+    (`--no-runner-process`: the default on a GPU until 2026-12-04)."""
+    return run_layertap(model_dir, prompt_sets, runner_process=False)
 
 
 def _vllm_pooling(model_dir: str, prompt_sets: list[list[str]], **options) -> dict:

@@ -1,7 +1,8 @@
 """What fixes an engine instance, readable without importing torch or vLLM.
 
 The process that runs the flow only needs these to choose and start a runner: with the runner in a process
-of its own (`runner_process`), the flow's process never loads torch or vLLM at all.
+of its own (`runner_process`), the flow's process never loads vLLM, nor torch unless it runs the parity
+sample against transformers.
 """
 
 from __future__ import annotations

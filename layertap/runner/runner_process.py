@@ -179,8 +179,12 @@ class RunnerProcess:
             while True:
                 call_id, ok, payload = self._conn.recv()
                 future = self._pending.pop(call_id, None)
-                if future is not None:
-                    future.set_result(payload) if ok else future.set_exception(_error_from(payload))
+                if future is None:
+                    continue
+                if ok:
+                    future.set_result(payload)
+                else:
+                    future.set_exception(_error_from(payload))
         except (EOFError, OSError):
             if self._closed:
                 return
