@@ -527,6 +527,10 @@ def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
     limit = SUBSET.get(mode, {}).get(workload)
     if os.environ.get("BENCH_SWITCH_INTERVAL"):  # seconds; Python's default is 0.005 (bench/task_overhead.py)
         sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
+    if os.environ.get("BENCH_ENCODER_THREADS"):  # Parquet encoders of the flow's process (default: one per core)
+        import layertap.writer
+
+        layertap.writer.encoder_threads = lambda: int(os.environ["BENCH_ENCODER_THREADS"])
     prompt_sets = [make_prompts(workload, variant)[:limit] for variant in range(PASSES)]
     prompts = prompt_sets[-1]  # the measured pass
     try:
@@ -542,6 +546,8 @@ def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
                   "traceback": traceback.format_exc()[-3000:]}
     result["prompts"] = len(prompts)
     result["switch_interval_s"] = sys.getswitchinterval()
+    if "layertap.writer" in sys.modules:
+        result["encoder_threads"] = sys.modules["layertap.writer"].encoder_threads()
     result["tokens"] = sum(len(p.encode()) + 1 for p in prompts)  # byte-level tokenizer + BOS
     if result["status"] == "ok":
         result["prompts_per_s"] = result["prompts"] / result["seconds"]
