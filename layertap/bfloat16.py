@@ -48,7 +48,8 @@ def as_float32(array: np.ndarray) -> np.ndarray:
 
 
 def row_peaks(array: np.ndarray) -> np.ndarray:
-    """Per row of a 2-D bfloat16 array, the largest magnitude's pattern (sign bit cleared), as uint16.
+    """Per row (along the last axis) of a bfloat16 array, the largest magnitude's pattern (sign bit
+    cleared), as uint16.
 
     One pass answers both value checks: a row holds NaN or inf exactly when its peak is at least 0x7F80
     (exponent all ones), and is all zeros exactly when its peak is 0. Two numpy calls for the whole array:
@@ -56,6 +57,6 @@ def row_peaks(array: np.ndarray) -> np.ndarray:
     process compute in Python (bench/README.md), more than the pass itself.
     """
     patterns = bits(array)
-    if patterns.shape[1] == 0:
-        return np.zeros(len(patterns), np.uint16)
-    return np.bitwise_and(patterns, _MAGNITUDE).max(axis=1)
+    if patterns.shape[-1] == 0:
+        return np.zeros(patterns.shape[:-1], np.uint16)
+    return np.bitwise_and(patterns, _MAGNITUDE).max(axis=-1)

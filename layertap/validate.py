@@ -14,8 +14,11 @@ import pyarrow.parquet as pq
 
 from layertap import bfloat16
 from layertap.errors import ValidationError
+from layertap.layer_views import stacked_view
 from layertap.writer import layer_column
 
+# Layers of one host buffer are checked a block at a time, each block's scratch (magnitudes) at most this big.
+CHECK_BLOCK_BYTES = 32_000_000
 # Minimum cosine between layertap's vectors and transformers' for the same prompt and layer.
 PARITY_MIN_COSINE = {"float32": 0.99999, "float16": 0.99, "bfloat16": 0.99}
 
@@ -25,13 +28,13 @@ def check_vectors(vectors: dict[int, np.ndarray], layers: list[int], num_rows: i
     missing = sorted(set(layers) - set(vectors))
     if missing:
         raise ValidationError(f"check 'layers present': layers {missing} missing")
-    for layer in layers:
-        array = np.asarray(vectors[layer])
+    arrays = [np.asarray(vectors[layer]) for layer in layers]
+    for layer, array in zip(layers, arrays):
         if array.shape != (num_rows, hidden_size):
             raise ValidationError(
                 f"check 'shape': layer {layer} has shape {array.shape}, expected ({num_rows}, {hidden_size})"
             )
-        finite, zero = _finite_and_zero_rows(array)
+    for layer, finite, zero in _finite_and_zero_by_layer(layers, arrays):
         if not finite.all():
             raise ValidationError(
                 f"check 'finite': layer {layer} has {int((~finite).sum())} vectors with NaN or inf"
@@ -40,15 +43,31 @@ def check_vectors(vectors: dict[int, np.ndarray], layers: list[int], num_rows: i
             raise ValidationError(f"check 'non-zero': layer {layer} has {int(zero.sum())} all-zero vectors")
 
 
+def _finite_and_zero_by_layer(layers: list[int], arrays: list[np.ndarray]):
+    """(layer, finite rows, all-zero rows) for each layer. Layers that lie in one host buffer are checked
+    several at a time (`layer_views`): fewer numpy calls, each of which waits for Python's lock."""
+    together = stacked_view(arrays) if len(arrays) > 1 else None
+    if together is None:
+        for layer, array in zip(layers, arrays):
+            yield layer, *_finite_and_zero_rows(array)
+        return
+    per_block = max(1, CHECK_BLOCK_BYTES // max(1, arrays[0].nbytes))
+    for start in range(0, len(layers), per_block):
+        finite, zero = _finite_and_zero_rows(together[start:start + per_block])
+        for j in range(len(finite)):
+            yield layers[start + j], finite[j], zero[j]
+
+
 def _finite_and_zero_rows(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: no NaN or inf; all zeros. Both from each row's largest magnitude, one pass over the
-    values (NaN propagates through a maximum), as these checks run beside the engine on every batch."""
+    """Per row (along the last axis): no NaN or inf; all zeros. Both from each row's largest magnitude, one
+    pass over the values (NaN propagates through a maximum), as these checks run beside the engine on every
+    batch."""
     if bfloat16.is_bfloat16(array):
         peaks = bfloat16.row_peaks(array)
         return peaks < bfloat16.EXPONENT_PATTERN, peaks == 0
-    if array.shape[1] == 0:
-        return np.ones(len(array), bool), np.ones(len(array), bool)
-    peaks = np.abs(array).max(axis=1)
+    if array.shape[-1] == 0:
+        return np.ones(array.shape[:-1], bool), np.ones(array.shape[:-1], bool)
+    peaks = np.abs(array).max(axis=-1)
     return np.isfinite(peaks), peaks == 0
 
 

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 
 from layertap import faults
 from layertap.bfloat16 import is_bfloat16, to_float32
+from layertap.layer_views import stacked_view
 from layertap.file_modes import create_file, make_dirs
 
 # bfloat16 vectors are stored as float32, which holds every bfloat16 value exactly (Arrow has no bfloat16).
@@ -77,20 +78,6 @@ def _check_shapes(num_rows: int, vectors: dict[int, np.ndarray], dtype: str) -> 
         raise ValueError(f"need one [{num_rows}, hidden] array per layer, got {got}")
 
 
-def _stacked(arrays: list[np.ndarray]) -> np.ndarray | None:
-    """The arrays as one [len(arrays), rows, hidden] view when they lie evenly spaced in memory with one
-    layout, as the layers of a runner's host buffer do; else None. The view covers exactly their elements
-    (layer j's row r starts where arrays[j]'s does) and is read while they are held."""
-    first = arrays[0]
-    starts = [a.__array_interface__["data"][0] for a in arrays]
-    step = starts[1] - starts[0] if len(arrays) > 1 else first.nbytes
-    if step <= 0 or any(a.shape != first.shape or a.strides != first.strides or a.dtype != first.dtype
-                        or start != starts[0] + j * step for j, (a, start) in enumerate(zip(arrays, starts))):
-        return None
-    return np.lib.stride_tricks.as_strided(first, (len(arrays), *first.shape), (step, *first.strides),
-                                           writeable=False)
-
-
 def _stored_layers(vectors: dict[int, np.ndarray], dtype: str) -> dict[int, np.ndarray]:
     """Each layer in the type it is stored as. Layers that must be converted (bfloat16 ones) are converted
     in one numpy call when they lie in one buffer: each call gives Python's lock up and waits to take it
@@ -98,7 +85,7 @@ def _stored_layers(vectors: dict[int, np.ndarray], dtype: str) -> dict[int, np.n
     layers = sorted(vectors)
     arrays = [vectors[layer] for layer in layers]
     converting = is_bfloat16(arrays[0]) or arrays[0].dtype != _STORAGE[dtype]
-    together = _stacked(arrays) if converting and len(arrays) > 1 else None
+    together = stacked_view(arrays) if converting and len(arrays) > 1 else None
     if together is None:
         return {layer: _stored(array, dtype) for layer, array in zip(layers, arrays)}
     converted = _stored(together, dtype)

@@ -71,6 +71,37 @@ def test_bad_bfloat16_values_fail_naming_the_check(value, check):
         check_vectors(truncated(data), [0, 3], 6, 8)
 
 
+@pytest.mark.parametrize("bad_layer", [0, 2, 4])
+@pytest.mark.parametrize("as_bfloat16", [False, True])
+def test_layers_of_one_host_buffer_are_checked_a_block_at_a_time_and_still_named(bad_layer, as_bfloat16,
+                                                                                  monkeypatch):
+    """A runner's batch (every layer a view of one buffer) is checked several layers per numpy call; a bad
+    value is still reported under its own layer."""
+    from layertap import bfloat16, validate
+
+    layers = [0, 1, 2, 3, 4]
+    buffer = np.random.default_rng(1).standard_normal((5, 6, 8)).astype(np.float32)
+    buffer[bad_layer, 3, 2] = np.nan
+    if as_bfloat16:
+        buffer = bfloat16.from_bits((buffer.view(np.uint32) >> 16).astype(np.uint16))
+    monkeypatch.setattr(validate, "CHECK_BLOCK_BYTES", 2 * buffer[0].nbytes)  # two layers per block
+    blocks = []
+    monkeypatch.setattr(validate, "_finite_and_zero_rows",
+                        lambda a, check=validate._finite_and_zero_rows: blocks.append(a.shape) or check(a))
+    with pytest.raises(ValidationError, match=f"check 'finite': layer {bad_layer} has 1 vectors"):
+        check_vectors({layer: buffer[j] for j, layer in enumerate(layers)}, layers, 6, 8)
+    assert blocks[0] == (2, 6, 8) and len(blocks) == bad_layer // 2 + 1
+    blocks.clear()
+    uneven = np.zeros((11, 6, 8), buffer.dtype)  # the same layers, unevenly spaced: checked one at a time
+    apart = {}
+    for j, (layer, offset) in enumerate(zip(layers, (0, 1, 3, 6, 10))):
+        uneven[offset] = buffer[j]
+        apart[layer] = uneven[offset]
+    with pytest.raises(ValidationError, match=f"check 'finite': layer {bad_layer} has 1 vectors"):
+        check_vectors(apart, layers, 6, 8)
+    assert blocks == [(6, 8)] * (bad_layer + 1)
+
+
 def test_missing_layer_fails():
     with pytest.raises(ValidationError, match="layers present"):
         check_vectors(vectors(layers=(0,)), [0, 3], 6, 8)

@@ -80,13 +80,18 @@ def test_layers_of_one_host_buffer_are_widened_together_and_stored_as_if_apart(t
     converted in one numpy call (row group by row group), and the file holds what separate arrays give."""
     from layertap import writer
     from layertap.bfloat16 import from_bits, to_float32
+    from layertap.layer_views import stacked_view
 
     hashes = [f"{i:064x}" for i in range(10)]
     layers = [0, 3, 7]
     wide = vectors(layers, n=10, hidden=6, seed=4)
     buffer = from_bits(np.stack([(wide[layer].view(np.uint32) >> 16).astype(np.uint16) for layer in layers]))
     together = {layer: buffer[j] for j, layer in enumerate(layers)}
-    apart = {layer: buffer[j].copy() for j, layer in enumerate(layers)}
+    uneven = np.zeros((4, 10, 6), buffer.dtype)  # the same layers, unevenly spaced in memory
+    apart = {}
+    for j, (layer, offset) in enumerate(zip(layers, (0, 1, 3))):
+        uneven[offset] = buffer[j]
+        apart[layer] = uneven[offset]
     calls = []
     monkeypatch.setattr(writer, "to_float32", lambda a: calls.append(a.shape) or to_float32(a))
     monkeypatch.setattr(writer, "CONVERTED_ROW_GROUP_BYTES", 5 * 3 * 6 * 4)  # five rows of three layers
@@ -94,17 +99,17 @@ def test_layers_of_one_host_buffer_are_widened_together_and_stored_as_if_apart(t
     assert calls == [(3, 5, 6), (3, 5, 6)]  # every layer at once, per row group
     calls.clear()
     other = pq.read_table(tmp_path / write_part(tmp_path, "e", "apart", hashes, apart, "bfloat16"))
-    assert calls == [(5, 6)] * 6  # separate arrays: one call per layer and row group
+    assert calls == [(5, 6)] * 6  # unevenly spaced: one call per layer and row group
     assert one.equals(other)
     for layer in layers:
         got = np.asarray(one[f"layer_{layer}"].combine_chunks().flatten()).reshape(10, 6)
         np.testing.assert_array_equal(got, (wide[layer].view(np.uint32) & 0xFFFF0000).view(np.float32))
     # Only evenly spaced arrays of one layout are viewed together (the view then covers exactly theirs).
-    assert writer._stacked([buffer[1], buffer[0]]) is None
-    assert writer._stacked([buffer[0], buffer[2], buffer[1]]) is None
-    assert writer._stacked([buffer[0], buffer[1], apart[7]]) is None
-    assert writer._stacked([buffer[0], buffer[1][:, :5]]) is None
-    assert writer._stacked([buffer[0], buffer[2]]).shape == (2, 10, 6)  # evenly spaced: layers 0 and 7
+    assert stacked_view([buffer[1], buffer[0]]) is None
+    assert stacked_view([buffer[0], buffer[2], buffer[1]]) is None
+    assert stacked_view([buffer[0], buffer[1], uneven[3]]) is None
+    assert stacked_view([buffer[0], buffer[1][:, :5]]) is None
+    assert stacked_view([buffer[0], buffer[2]]).shape == (2, 10, 6)  # evenly spaced: layers 0 and 7
 
 
 def test_staging_is_left_empty_and_rewrite_replaces(tmp_path):
