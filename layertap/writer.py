@@ -78,18 +78,27 @@ def _check_shapes(num_rows: int, vectors: dict[int, np.ndarray], dtype: str) -> 
         raise ValueError(f"need one [{num_rows}, hidden] array per layer, got {got}")
 
 
-def _stored_layers(vectors: dict[int, np.ndarray], dtype: str) -> dict[int, np.ndarray]:
-    """Each layer in the type it is stored as. Layers that must be converted (bfloat16 ones) are converted
-    in one numpy call when they lie in one buffer: each call gives Python's lock up and waits to take it
-    back, milliseconds each beside threads computing in Python (bench/write_parts.py)."""
+def _vectors_column(stored: np.ndarray) -> pa.FixedSizeListArray:
+    """[rows, hidden] (or [layers x rows, hidden] flattened) stored values as fixed_size_list rows, in place."""
+    kind = pa.list_(pa.field("element", pa.from_numpy_dtype(stored.dtype), nullable=False), stored.shape[-1])
+    return pa.FixedSizeListArray.from_arrays(pa.array(stored.reshape(-1)), type=kind)
+
+
+def _layer_columns(vectors: dict[int, np.ndarray], dtype: str) -> list[tuple[int, pa.Array]]:
+    """Each layer's column, in layer order, in the type it is stored as.
+
+    Layers that must be converted (bfloat16 ones) and lie in one host buffer (`layer_views`) are converted
+    in one numpy call and wrapped as one Arrow array, each layer's column a slice of it: every numpy or Arrow
+    call gives Python's lock up and waits to take it back, milliseconds each beside threads computing in
+    Python, so a call per layer cost a file ~0.3 s of waiting (bench/write_parts.py)."""
     layers = sorted(vectors)
     arrays = [vectors[layer] for layer in layers]
     converting = is_bfloat16(arrays[0]) or arrays[0].dtype != _STORAGE[dtype]
     together = stacked_view(arrays) if converting and len(arrays) > 1 else None
     if together is None:
-        return {layer: _stored(array, dtype) for layer, array in zip(layers, arrays)}
-    converted = _stored(together, dtype)
-    return {layer: converted[j] for j, layer in enumerate(layers)}
+        return [(layer, _vectors_column(_stored(array, dtype))) for layer, array in zip(layers, arrays)]
+    column, rows = _vectors_column(_stored(together, dtype)), together.shape[1]
+    return [(layer, column.slice(j * rows, rows)) for j, layer in enumerate(layers)]
 
 
 def _part_table(prompt_hashes: list[str], vectors: dict[int, np.ndarray], dtype: str) -> pa.Table:
@@ -100,10 +109,9 @@ def _part_table(prompt_hashes: list[str], vectors: dict[int, np.ndarray], dtype:
     vectors' floats, which makes encoding about a fifth cheaper (bench/write_parts.py)."""
     fields = [pa.field("prompt_hash", pa.string(), nullable=False)]
     columns = [pa.array(prompt_hashes, pa.string())]
-    for layer, a in _stored_layers(vectors, dtype).items():
-        kind = pa.list_(pa.field("element", pa.from_numpy_dtype(a.dtype), nullable=False), a.shape[1])
-        fields.append(pa.field(layer_column(layer), kind, nullable=False))
-        columns.append(pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), type=kind))
+    for layer, column in _layer_columns(vectors, dtype):
+        fields.append(pa.field(layer_column(layer), column.type, nullable=False))
+        columns.append(column)
     return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
 
