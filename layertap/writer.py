@@ -30,8 +30,8 @@ import pyarrow.parquet as pq
 
 from layertap import faults
 from layertap.bfloat16 import is_bfloat16, to_float32
-from layertap.layer_views import stacked_view
 from layertap.file_modes import create_file, make_dirs
+from layertap.layer_views import stacked_view
 
 # bfloat16 vectors are stored as float32, which holds every bfloat16 value exactly (Arrow has no bfloat16).
 _STORAGE = {"float32": np.float32, "bfloat16": np.float32, "float16": np.float16}
@@ -79,7 +79,7 @@ def _check_shapes(num_rows: int, vectors: dict[int, np.ndarray], dtype: str) -> 
 
 
 def _vectors_column(stored: np.ndarray) -> pa.FixedSizeListArray:
-    """[rows, hidden] (or [layers x rows, hidden] flattened) stored values as fixed_size_list rows, in place."""
+    """Stored values as fixed_size_list rows of the last axis (leading axes flattened into rows), in place."""
     kind = pa.list_(pa.field("element", pa.from_numpy_dtype(stored.dtype), nullable=False), stored.shape[-1])
     return pa.FixedSizeListArray.from_arrays(pa.array(stored.reshape(-1)), type=kind)
 
