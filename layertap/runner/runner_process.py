@@ -30,7 +30,7 @@ import numpy as np
 
 from layertap.bfloat16 import from_bits, is_bfloat16
 from layertap.errors import EngineError, LayertapError, OutOfDeviceMemory
-from layertap.runner.base import POOLINGS, Extraction
+from layertap.runner.base import Extraction
 from layertap.runner.engine_options import EngineOptions
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,6 @@ class RunnerProcess:
         self, texts: list[str], layers: list[int], pooling: str, truncate_to: int | None = None
     ) -> Extraction:
         """As `VllmRunner.extract`; the vectors are read in place from the shared buffer the engine filled."""
-        if pooling not in POOLINGS:
-            raise EngineError(f"pooling: expected one of {', '.join(POOLINGS)}, got {pooling!r}")
         call_id, future = self._call("extract", list(texts), list(layers), pooling, truncate_to)
         reply = future.result()
         self.capture_buffer_bytes = reply["capture_buffer_bytes"]

@@ -72,6 +72,8 @@ def test_truncated_and_rejected_prompts_keep_their_positions(remote, references)
     assert cut.truncated == {1: longest + 1, 3: 41} and sorted(cut.kept) == [0, 1, 2, 3]
     cut.release()
     assert remote.extract([], [4], "last").vectors[4].shape == (0, remote.hidden_size)
+    with pytest.raises(EngineError, match="pooling: expected one of last, mean, got 'max'"):
+        remote.extract(prompts, [4], "max")
 
 
 def test_out_of_memory_in_the_child_reaches_the_caller_as_such_and_the_batch_is_split(remote, references):
