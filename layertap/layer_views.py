@@ -15,6 +15,8 @@ def stacked_view(arrays: list[np.ndarray]) -> np.ndarray | None:
     """The arrays as one [len(arrays), rows, hidden] view when they lie evenly spaced in memory with one
     layout, as the layers of a runner's host buffer do; else None. The view covers exactly their elements
     (layer j's row r starts where arrays[j]'s does) and is read only while they are held."""
+    if not arrays:
+        return None
     first = arrays[0]
     starts = [a.__array_interface__["data"][0] for a in arrays]
     step = starts[1] - starts[0] if len(arrays) > 1 else first.nbytes

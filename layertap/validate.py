@@ -46,7 +46,7 @@ def check_vectors(vectors: dict[int, np.ndarray], layers: list[int], num_rows: i
 def _finite_and_zero_by_layer(layers: list[int], arrays: list[np.ndarray]):
     """(layer, finite rows, all-zero rows) for each layer. Layers that lie in one host buffer are checked
     several at a time (`layer_views`): fewer numpy calls, each of which waits for Python's lock."""
-    together = stacked_view(arrays) if len(arrays) > 1 else None
+    together = stacked_view(arrays)
     if together is None:
         for layer, array in zip(layers, arrays):
             yield layer, *_finite_and_zero_rows(array)

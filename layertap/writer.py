@@ -94,7 +94,7 @@ def _layer_columns(vectors: dict[int, np.ndarray], dtype: str) -> list[tuple[int
     layers = sorted(vectors)
     arrays = [vectors[layer] for layer in layers]
     converting = is_bfloat16(arrays[0]) or arrays[0].dtype != _STORAGE[dtype]
-    together = stacked_view(arrays) if converting and len(arrays) > 1 else None
+    together = stacked_view(arrays) if converting else None
     if together is None:
         return [(layer, _vectors_column(_stored(array, dtype))) for layer, array in zip(layers, arrays)]
     column, rows = _vectors_column(_stored(together, dtype)), together.shape[1]
