@@ -110,13 +110,16 @@ def run_hf(model_dir: str, prompts: list[str], batched: bool) -> dict:
 
 
 def _passes(run, prompt_sets: list[list[str]]) -> dict:
-    """Time `run(prompts)` once per prompt set; the last pass is the one reported."""
+    """Time `run(prompts)` once per prompt set; the last pass is the one reported, with the CPU each process
+    used during it."""
     times = []
     for prompts in prompt_sets:
+        cpu_before = _cpu_seconds()
         start = time.perf_counter()
         run(prompts)
         times.append(time.perf_counter() - start)
-    return {"seconds": times[-1], "first_pass_s": times[0], "passes": len(times)}
+    cpu = _cpu_used(cpu_before, _cpu_seconds(), times[-1])
+    return {"seconds": times[-1], "first_pass_s": times[0], "passes": len(times), "cpu_last_pass": cpu}
 
 
 def run_vllm_plain(model_dir: str, prompt_sets: list[list[str]]) -> dict:
@@ -185,6 +188,34 @@ def _tree_pss_gib() -> dict[str, float]:
         found[name] = round(pss / 2**20, 3)
     found["total"] = round(sum(found.values()), 3)
     return found
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by this process and each process under it, keyed "name pid"
+    ("self" for this one), and by the whole host ("host", every core's non-idle time): taken before and
+    after a run, they say which process had the cores and whether the host ran out of them."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for pid in [os.getpid(), *_descendants(os.getpid())]:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                text = stat.read()
+        except OSError:
+            continue
+        comm, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
+        name = "self" if pid == os.getpid() else f"{comm} {pid}"
+        found[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    with open("/proc/stat") as stat:
+        cpu = [int(v) for v in stat.readline().split()[1:]]
+    found["host"] = (sum(cpu) - cpu[3] - cpu[4]) / tick  # all but idle and iowait
+    return found
+
+
+def _cpu_used(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
+    """CPU seconds each process (and the host) used between two `_cpu_seconds` readings, with the host's
+    cores and the wall seconds between them."""
+    used = {name: round(after[name] - before.get(name, 0.0), 2) for name in after}
+    return {"wall_s": round(seconds, 2), "cores": os.cpu_count(), "cpu_s": used}
 
 
 class RssSampler:
@@ -326,14 +357,18 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
             first_pass = first_pass or time.perf_counter() - start
         memory_before = _memory_gib()
         rss_before = memory_before.get("rss", float("nan"))
+        runner = next(iter(engine_cache._runners.values()))
+        activity = runner.activity()
+        cpu_before = _cpu_seconds()
         with RssSampler() as rss, PhaseTimes() as phases:
             start = time.perf_counter()
             summary = embed_flow(input=[str(data[-1])], store=str(work / "store"), **common)
             flow_call = time.perf_counter() - start  # the flow's own seconds plus Prefect's start and exit
+        cpu = _cpu_used(cpu_before, _cpu_seconds(), flow_call)
+        engine = runner.activity()
         with RssSampler() as read_rss:  # reading a whole layer back holds it in memory: sampled apart
             table = Store(work / "store").embeddings(layer=-1)
             seconds = time.perf_counter() - start
-        runner = next(iter(engine_cache._runners.values()))
         capture = runner.capture_buffer_bytes
     store_bytes = sum(f.stat().st_size for f in (work / "store").rglob("*") if f.is_file())
     parquet_files = len(list((work / "store" / "parts").rglob("*.parquet")))
@@ -346,6 +381,11 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
             "store_bytes": store_bytes, "parquet_files": parquet_files,
             "part_file_mb": load_settings(env_file=None).part_file_mb, "capture_buffer_bytes": capture,
             "task_phase_seconds_summed_over_batches": phases.seconds,
+            "engine_thread": {"steps": engine.steps - activity.steps,
+                              "stepping_s": round(engine.stepping_s - activity.stepping_s, 3),
+                              "idle_s": round(engine.idle_s - activity.idle_s, 3),
+                              "extract_phase_s": summary["extract_seconds"]},
+            "cpu_during_flow_call": cpu,
             "flow_step_seconds_on_flow_thread": phases.flow_steps,
             "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process,
             "runner_process": getattr(runner, "runner_process", False),
@@ -386,7 +426,12 @@ def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_pro
             done = sum(pool.map(lambda b: _extract_and_release(runner, b, layers), batches))
         assert done == len(prompts)
 
+    activity = runner.activity()
     timing = _passes(run, prompt_sets)
+    engine = runner.activity()
+    timing["engine_thread_all_passes"] = {"steps": engine.steps - activity.steps,
+                                          "stepping_s": round(engine.stepping_s - activity.stepping_s, 3),
+                                          "idle_s": round(engine.idle_s - activity.idle_s, 3)}
     return {**timing, "startup_s": startup, "capture_buffer_bytes": runner.capture_buffer_bytes,
             "step_tokens": runner.step_tokens, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
             "engine_options": overrides,

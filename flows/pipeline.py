@@ -62,6 +62,17 @@ def _extracted(future, store: str, store_uuid: str, batch: dict, settings: Setti
     return part
 
 
+def _engine_use(before, after) -> dict:
+    """The engine's seconds computing and waiting for work during the extraction phase. Waiting means the
+    host's work on earlier batches (files, checks, publishing) held the batches back: more batches in flight
+    or a faster store disk would help; none means the engine bounds the run."""
+    if after is None:
+        return {"engine_busy_seconds": None, "engine_idle_seconds": None}
+    before = before or type(after)()
+    return {"engine_busy_seconds": round(after.stepping_s - before.stepping_s, 3),
+            "engine_idle_seconds": round(after.idle_s - before.idle_s, 3)}
+
+
 def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
     """Embed the rows of `settings.input`; returns the run summary (also recorded in the store)."""
     started = time.perf_counter()
@@ -160,6 +171,7 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
                 raise failure
 
         phase_started = time.perf_counter()
+        activity_before = engine_cache.engine_activity(settings)  # both readings lie inside the phase's time
         with run_progress.listen(watch):
             fill()
             while in_flight or checking:
@@ -169,6 +181,7 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
                     take(*in_flight.popleft())
                 if checking and checking[0][2].wrapped_future.done():
                     publish_checked()
+        engine = _engine_use(activity_before, engine_cache.engine_activity(settings))
         # Batches overlap, so the extraction phase is timed on the wall clock, not summed per batch.
         extract_seconds = time.perf_counter() - phase_started if batches else 0.0
         ledger = validate_store(store_dir, key["rules_id"], eid, layer_list, sources)
@@ -195,6 +208,7 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
         "skipped": ledger["embedded"] - embedded,
         "tokens": tokens,
         "extract_seconds": round(extract_seconds, 3),
+        **engine,
         "layers": layer_list,
         "dimension": key["hidden_size"],
         "store": store_dir,

@@ -128,6 +128,16 @@ def runner_requests() -> int:
     return _requests
 
 
+def engine_activity(settings: Settings):
+    """The open engine's `EngineActivity` for these settings, or None when none is open (or it cannot say)."""
+    with _lock:
+        runner = _runners.get(runner_key(settings))
+    try:
+        return runner.activity() if runner is not None else None
+    except Exception:  # noqa: BLE001 - a dead engine has nothing to report; the run reports its own error
+        return None
+
+
 def open_runners() -> int:
     """How many engines are open right now."""
     return len(_runners)

@@ -39,6 +39,17 @@ class Extraction:
             release()
 
 
+@dataclass
+class EngineActivity:
+    """What the engine thread has done since the engine started: engine steps taken and the seconds spent in
+    them, and the seconds it waited with no prompt to compute. Idle time during a run means the engine
+    waited for the caller (the host's work on earlier batches), not the other way round."""
+
+    steps: int = 0
+    stepping_s: float = 0.0
+    idle_s: float = 0.0
+
+
 class Runner(Protocol):
     """An engine that pools hidden states of chosen layers (Hugging Face indices) for a list of texts."""
 

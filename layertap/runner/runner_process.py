@@ -14,6 +14,7 @@ its engine and exits when the caller closes it or goes away (its end of the pipe
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -30,7 +31,7 @@ import numpy as np
 
 from layertap.bfloat16 import from_bits, is_bfloat16
 from layertap.errors import EngineError, LayertapError, OutOfDeviceMemory
-from layertap.runner.base import Extraction
+from layertap.runner.base import EngineActivity, Extraction
 from layertap.runner.engine_options import EngineOptions
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,10 @@ class RunnerProcess:
 
     def mapped_host_buffers(self) -> list[str]:
         return self._call("mapped")[1].result()
+
+    def activity(self) -> EngineActivity:
+        """The child's engine-thread counters (`VllmRunner.activity`)."""
+        return EngineActivity(**self._call("activity")[1].result())
 
     def healthy(self) -> bool:
         """Whether the child still answers a one-prompt extraction (`VllmRunner.healthy`) in good time."""
@@ -272,7 +277,8 @@ def serve(conn, options: EngineOptions) -> None:
         return runner.host_buffers_allocated
 
     calls = {"extract": extract, "reserve": reserve, "healthy": lambda call_id: runner.healthy(),
-             "mapped": lambda call_id: runner.mapped_host_buffers()}
+             "mapped": lambda call_id: runner.mapped_host_buffers(),
+             "activity": lambda call_id: dataclasses.asdict(runner.activity())}
 
     def answer(kind: str, call_id: int, *args: Any) -> None:
         try:

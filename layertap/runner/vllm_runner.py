@@ -20,12 +20,14 @@ and a caller writes its finished batch to disk while the engine already computes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -37,7 +39,7 @@ import torch
 from layertap.bfloat16 import from_bits
 from layertap.errors import EngineError
 from layertap.model_fingerprint import read_model_info
-from layertap.runner.base import POOLINGS, Extraction
+from layertap.runner.base import POOLINGS, EngineActivity, Extraction
 from layertap.runner.engine_options import EngineOptions
 from layertap.runner.host_buffers import HostBuffers, Segment
 from layertap.runner.vllm_compat import (
@@ -174,6 +176,9 @@ class VllmRunner:
         self._gate = threading.Lock()
         self._closed = False
         self._failure: BaseException | None = None
+        self._activity = EngineActivity()
+        self._idle_since: float | None = None  # set while the engine thread waits for work
+        self._activity_lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="layertap-engine", daemon=True)
         self._thread.start()
 
@@ -270,10 +275,14 @@ class VllmRunner:
             while True:
                 block = not active and not waiting
                 while True:
+                    if block:
+                        self._idle_since = time.perf_counter()
                     try:
                         job = self._inbox.get(block=block)
                     except queue.Empty:
                         break
+                    finally:
+                        self._end_idle()
                     if job is None:
                         raise EngineError("the engine is closed")
                     if isinstance(job, _Call):
@@ -291,8 +300,12 @@ class VllmRunner:
                         continue
                     active[job.key] = job
                 if active:
+                    started = time.perf_counter()
                     for output in self.llm.llm_engine.step():
                         self._deliver(output, active)
+                    with self._activity_lock:
+                        self._activity.steps += 1
+                        self._activity.stepping_s += time.perf_counter() - started
         except BaseException as exc:  # the engine is unusable: every waiting caller gets the error
             self._failure = exc
             for job in [*active.values(), *waiting]:
@@ -350,6 +363,20 @@ class VllmRunner:
                                         args=(list(layers), self.num_layers, self.hidden_size, pooling))
         self.capture_buffer_bytes = max(sizes)
         self._capture = (layers, pooling)
+
+    def activity(self) -> EngineActivity:
+        """The engine thread's counters (`EngineActivity`) as of now, a wait still going on included."""
+        with self._activity_lock:
+            now = dataclasses.replace(self._activity)
+            if self._idle_since is not None:
+                now.idle_s += time.perf_counter() - self._idle_since
+        return now
+
+    def _end_idle(self) -> None:
+        with self._activity_lock:
+            if self._idle_since is not None:
+                self._activity.idle_s += time.perf_counter() - self._idle_since
+                self._idle_since = None
 
     def host_dtype(self, pooling: str) -> torch.dtype:
         """The precision a batch's vectors are handed over in."""

@@ -118,6 +118,9 @@ def test_end_to_end(run, tmp_path, tiny_model):
     assert summary["dimension"] == 128
     assert summary["store"] == str(tmp_path / "store")
     assert len(summary["extraction_id"]) == 16
+    # The engine computed during the extraction phase and waited at most for the rest of it.
+    assert 0 < summary["engine_busy_seconds"] <= summary["extract_seconds"]
+    assert 0 <= summary["engine_idle_seconds"] <= summary["extract_seconds"] - summary["engine_busy_seconds"] + 0.01
 
     store = Store(summary["store"])
     table = store.embeddings(layer=4)
@@ -207,6 +210,7 @@ def test_rerun_does_no_model_work(run, tmp_path):
     second, flow_run_id = run([source])
 
     assert second["planned"] == second["embedded"] == 0
+    assert not second["engine_busy_seconds"]  # no engine, or one that computed nothing
     assert second["new_prompts"] == 0 and second["extraction_id"] == first["extraction_id"]
     assert engine_cache.runner_requests() == requests  # no batch asked for an engine
     assert engine_cache.engines_started() == started

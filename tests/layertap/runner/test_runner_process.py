@@ -153,6 +153,15 @@ def test_vectors_are_those_the_engine_copied(remote):
     ours.release()
 
 
+def test_the_child_reports_its_engine_thread_s_counters(remote):
+    before = remote.activity()
+    time.sleep(0.3)  # nothing queued: the child's engine waits
+    remote.extract(varied_prompts(5, seed=68), [3], "last").release()
+    after = remote.activity()
+    assert after.steps > before.steps and after.stepping_s > before.stepping_s
+    assert after.idle_s - before.idle_s >= 0.25
+
+
 def test_a_child_that_cannot_start_its_engine_says_why(tmp_path):
     with pytest.raises(EngineError, match="the runner could not start: model: .* has no config.json"):
         start(str(tmp_path / "no-such-model"))

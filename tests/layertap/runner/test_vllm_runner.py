@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -116,6 +117,17 @@ def test_by_default_the_engine_core_has_a_process_of_its_own_on_a_gpu_and_shares
     client = runner.llm.llm_engine.engine_core
     assert isinstance(client, InprocClient if _on_cpu() else MPClient), type(client)
     assert runner.engine_process is not _on_cpu()
+
+
+def test_the_engine_thread_counts_its_steps_and_the_time_it_waited_for_work(engines):
+    """A run's summary tells whether the engine or the host bounded it from these counters."""
+    runner = engines("llama")
+    before = runner.activity()
+    time.sleep(0.3)  # nothing queued: the engine waits
+    runner.extract(varied_prompts(20, seed=4), [0, 4], "last").release()
+    after = runner.activity()
+    assert after.steps > before.steps and after.stepping_s > before.stepping_s
+    assert after.idle_s - before.idle_s >= 0.25
 
 
 def test_reserved_host_buffers_are_mapped_by_the_worker_before_any_batch_uses_them(engines):
