@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import random
@@ -115,11 +116,13 @@ def _passes(run, prompt_sets: list[list[str]]) -> dict:
     times = []
     for prompts in prompt_sets:
         cpu_before = _cpu_seconds()
-        start = time.perf_counter()
-        run(prompts)
-        times.append(time.perf_counter() - start)
+        with GpuBusy() as gpu:
+            start = time.perf_counter()
+            run(prompts)
+            times.append(time.perf_counter() - start)
     cpu = _cpu_used(cpu_before, _cpu_seconds(), times[-1])
-    return {"seconds": times[-1], "first_pass_s": times[0], "passes": len(times), "cpu_last_pass": cpu}
+    return {"seconds": times[-1], "first_pass_s": times[0], "passes": len(times), "cpu_last_pass": cpu,
+            "gpu_utilisation_last_pass_pct": gpu.mean}
 
 
 def run_vllm_plain(model_dir: str, prompt_sets: list[list[str]]) -> dict:
@@ -129,9 +132,28 @@ def run_vllm_plain(model_dir: str, prompt_sets: list[list[str]]) -> dict:
     llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16")
     startup = time.perf_counter() - t0
     llm.generate(prompt_sets[0][:64], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
-    timing = _passes(lambda prompts: llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False),
-                     prompt_sets)
-    return {**timing, "startup_s": startup}
+    engine, step = llm.llm_engine, llm.llm_engine.step
+    steps = {"steps": 0, "stepping_s": 0.0, "first_step_at_s": None}
+
+    def timed_step():  # how long generate spends adding its requests before the first step, and stepping
+        started = time.perf_counter()
+        if steps["first_step_at_s"] is None:
+            steps["first_step_at_s"] = started - steps.pop("called")
+        try:
+            return step()
+        finally:
+            steps["steps"] += 1
+            steps["stepping_s"] += time.perf_counter() - started
+
+    def run(prompts):
+        steps.update(steps=0, stepping_s=0.0, first_step_at_s=None, called=time.perf_counter())
+        llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+
+    engine.step = timed_step
+    timing = _passes(run, prompt_sets)
+    scheduler = engine.vllm_config.scheduler_config
+    return {**timing, "startup_s": startup, "last_pass_engine_thread": steps,
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens, "max_num_seqs": scheduler.max_num_seqs}
 
 
 def _memory_gib() -> dict[str, float]:
@@ -260,6 +282,66 @@ class RssSampler:
         self._thread.join()
 
 
+class GpuBusy:
+    """The GPU's utilisation (NVML: the share of time a kernel was running) sampled every 0.2 s while a block
+    runs; `mean` is None where NVML cannot be read."""
+
+    def __enter__(self):
+        import threading
+
+        self.samples, self.mean = [], None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._read = functools.partial(pynvml.nvmlDeviceGetUtilizationRates, pynvml.nvmlDeviceGetHandleByIndex(0))
+        except Exception:  # noqa: BLE001 - no NVML: nothing sampled
+            self._read = None
+            return self
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.2):
+            self.samples.append(self._read().gpu)
+
+    def __exit__(self, *exc):
+        if self._read is not None:
+            self._stop.set()
+            self._thread.join()
+            self.mean = round(sum(self.samples) / len(self.samples), 1) if self.samples else None
+
+
+class ActivityTimeline:
+    """The runner's engine counters every `every` seconds while a block runs: when the engine waited for
+    work (the run's start, its end, or batches held back between)."""
+
+    def __init__(self, runner, every: float = 0.5):
+        self.runner, self.every, self.samples = runner, every, []
+
+    def __enter__(self):
+        import threading
+
+        self._stop, self._started = threading.Event(), time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while True:
+            now = self.runner.activity()
+            self.samples.append([round(time.perf_counter() - self._started, 2), now.steps,
+                                 round(now.stepping_s, 3), round(now.idle_s, 3)])
+            if self._stop.wait(self.every):
+                return
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 class PhaseTimes:
     """Time spent inside a batch's task phases (summed over batches, which overlap): the engine, the in-memory
     value checks, the Parquet write, and the written files' checks (validate-batch, on a worker thread); and
@@ -360,7 +442,7 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
         runner = next(iter(engine_cache._runners.values()))
         activity = runner.activity()
         cpu_before = _cpu_seconds()
-        with RssSampler() as rss, PhaseTimes() as phases:
+        with RssSampler() as rss, PhaseTimes() as phases, ActivityTimeline(runner) as timeline, GpuBusy() as gpu:
             start = time.perf_counter()
             summary = embed_flow(input=[str(data[-1])], store=str(work / "store"), **common)
             flow_call = time.perf_counter() - start  # the flow's own seconds plus Prefect's start and exit
@@ -385,7 +467,9 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
                               "stepping_s": round(engine.stepping_s - activity.stepping_s, 3),
                               "idle_s": round(engine.idle_s - activity.idle_s, 3),
                               "extract_phase_s": summary["extract_seconds"]},
-            "cpu_during_flow_call": cpu,
+            "cpu_during_flow_call": cpu, "gpu_utilisation_during_flow_call_pct": gpu.mean,
+            "engine_timeline_t_steps_stepping_idle": timeline.samples,
+            "summary_engine_s": {k: summary.get(k) for k in ("engine_busy_seconds", "engine_idle_seconds")},
             "flow_step_seconds_on_flow_thread": phases.flow_steps,
             "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process,
             "runner_process": getattr(runner, "runner_process", False),
