@@ -52,7 +52,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", metavar="N", help="prompts per extraction batch (default: 1024)")
     p.add_argument("--parity-sample", metavar="N", help="prompts checked against Hugging Face (default: 8; 0 = off)")
     p.add_argument("--batches-in-flight", metavar="N",
-                   help="batches extracted at once, so writing overlaps the engine (default: 3)")
+                   help="batches extracted at once, so writing overlaps the engine (default: 4)")
     p.add_argument("--max-num-batched-tokens", metavar="N", help="engine tokens per step (default: engine's)")
     p.add_argument("--max-model-len", metavar="N", help="longest prompt in tokens (default: model's)")
     p.add_argument("--gpu-memory-utilization", metavar="F", help="engine memory share (default: runner picks)")
