@@ -59,6 +59,11 @@ def markdown_summary(summary: dict) -> str:
         )
     else:
         lines.append(f"- **Throughput**: nothing to extract ({summary['seconds']:.1f} s in all)")
+    if summary.get("engine_busy_seconds"):
+        lines.append(
+            f"- **Engine**: computing {summary['engine_busy_seconds']:.2f} s, waiting for the host's work on "
+            f"earlier batches {summary['engine_idle_seconds']:.2f} s of the extraction phase"
+        )
     lines += [
         f"- **Layers**: {','.join(map(str, summary['layers']))}, dimension {summary['dimension']}",
         f"- **Model**: `{summary['model']}`",

@@ -25,5 +25,8 @@ def test_markdown_says_throughput_and_where_results_are():
     assert "2 prompts embedded for dataset `reviews`" in text
     assert "4.0 prompts/s, 100 tokens/s" in text
     assert "store `/s`, extraction `eeeeeeeeeeeeeeee`" in text and "Store('/s').embeddings(layer=4)" in text
+    assert "**Engine**" not in text  # a summary without the engine's counters (no vLLM engine) says nothing
+    timed = markdown_summary({**SUMMARY, "engine_busy_seconds": 0.41, "engine_idle_seconds": 0.05})
+    assert "computing 0.41 s, waiting for the host's work on earlier batches 0.05 s" in timed
     idle = markdown_summary({**SUMMARY, "embedded": 0, "extract_seconds": 0.0})
     assert "nothing to extract" in idle and throughput({**SUMMARY, "extract_seconds": 0}) == (0.0, 0.0)
