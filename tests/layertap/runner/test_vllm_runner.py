@@ -124,7 +124,8 @@ def test_the_engine_thread_counts_its_steps_and_the_time_it_waited_for_work(engi
     runner = engines("llama")
     before = runner.activity()
     time.sleep(0.3)  # nothing queued: the engine waits
-    runner.extract(varied_prompts(20, seed=4), [0, 4], "last").release()
+    # A small batch: its released buffer is too small for the host-buffer test's later batches.
+    runner.extract(varied_prompts(5, seed=4), [4], "last").release()
     after = runner.activity()
     assert after.steps > before.steps and after.stepping_s > before.stepping_s
     assert after.idle_s - before.idle_s >= 0.25
