@@ -314,6 +314,12 @@ class GpuBusy:
             self.mean = round(sum(self.samples) / len(self.samples), 1) if self.samples else None
 
 
+def _activity_between(before, after) -> dict:
+    """What the runner's engine thread did between two `activity()` readings."""
+    return {"steps": after.steps - before.steps, "stepping_s": round(after.stepping_s - before.stepping_s, 3),
+            "idle_s": round(after.idle_s - before.idle_s, 3)}
+
+
 class ActivityTimeline:
     """The runner's engine counters every `every` seconds while a block runs: when the engine waited for
     work (the run's start, its end, or batches held back between)."""
@@ -466,10 +472,7 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
             "store_bytes": store_bytes, "parquet_files": parquet_files,
             "part_file_mb": load_settings(env_file=None).part_file_mb, "capture_buffer_bytes": capture,
             "task_phase_seconds_summed_over_batches": phases.seconds,
-            "engine_thread": {"steps": engine.steps - activity.steps,
-                              "stepping_s": round(engine.stepping_s - activity.stepping_s, 3),
-                              "idle_s": round(engine.idle_s - activity.idle_s, 3),
-                              "extract_phase_s": summary["extract_seconds"]},
+            "engine_thread": {**_activity_between(activity, engine), "extract_phase_s": summary["extract_seconds"]},
             "cpu_during_flow_call": cpu, "gpu_utilisation_during_flow_call_pct": gpu.mean,
             "engine_timeline_t_steps_stepping_idle": timeline.samples,
             "summary_engine_s": {k: summary.get(k) for k in ("engine_busy_seconds", "engine_idle_seconds")},
@@ -516,9 +519,7 @@ def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_pro
     activity = runner.activity()
     timing = _passes(run, prompt_sets)
     engine = runner.activity()
-    timing["engine_thread_all_passes"] = {"steps": engine.steps - activity.steps,
-                                          "stepping_s": round(engine.stepping_s - activity.stepping_s, 3),
-                                          "idle_s": round(engine.idle_s - activity.idle_s, 3)}
+    timing["engine_thread_all_passes"] = _activity_between(activity, engine)
     return {**timing, "startup_s": startup, "capture_buffer_bytes": runner.capture_buffer_bytes,
             "step_tokens": runner.step_tokens, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
             "engine_options": overrides,
