@@ -315,9 +315,9 @@ class GpuBusy:
 
 
 def _activity_between(before, after) -> dict:
-    """What the runner's engine thread did between two `activity()` readings."""
-    return {"steps": after.steps - before.steps, "stepping_s": round(after.stepping_s - before.stepping_s, 3),
-            "idle_s": round(after.idle_s - before.idle_s, 3)}
+    """What the runner's engine thread did between two `activity()` readings, as plain data."""
+    used = after.since(before)
+    return {"steps": used.steps, "stepping_s": round(used.stepping_s, 3), "idle_s": round(used.idle_s, 3)}
 
 
 class ActivityTimeline:

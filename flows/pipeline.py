@@ -68,9 +68,8 @@ def _engine_use(before, after) -> dict:
     or a faster store disk would help; none means the engine bounds the run."""
     if after is None:
         return {"engine_busy_seconds": None, "engine_idle_seconds": None}
-    before = before or type(after)()
-    return {"engine_busy_seconds": round(after.stepping_s - before.stepping_s, 3),
-            "engine_idle_seconds": round(after.idle_s - before.idle_s, 3)}
+    used = after.since(before)
+    return {"engine_busy_seconds": round(used.stepping_s, 3), "engine_idle_seconds": round(used.idle_s, 3)}
 
 
 def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:

@@ -69,6 +69,11 @@ def _stored(array: np.ndarray, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=_STORAGE[dtype])
 
 
+def _converted(array: np.ndarray, dtype: str) -> bool:
+    """Whether `array` must be converted to be stored (bfloat16 patterns, or another dtype than stored)."""
+    return is_bfloat16(array) or array.dtype != _STORAGE[dtype]
+
+
 def _check_shapes(num_rows: int, vectors: dict[int, np.ndarray], dtype: str) -> None:
     if dtype not in _STORAGE:
         raise ValueError(f"dtype must be one of {', '.join(_STORAGE)}, got {dtype!r}")
@@ -93,7 +98,7 @@ def _layer_columns(vectors: dict[int, np.ndarray], dtype: str) -> list[tuple[int
     Python, so a call per layer cost a file ~0.3 s of waiting (bench/write_parts.py)."""
     layers = sorted(vectors)
     arrays = [vectors[layer] for layer in layers]
-    converting = is_bfloat16(arrays[0]) or arrays[0].dtype != _STORAGE[dtype]
+    converting = _converted(arrays[0], dtype)
     together = stacked_view(arrays) if converting else None
     if together is None:
         return [(layer, _vectors_column(_stored(array, dtype))) for layer, array in zip(layers, arrays)]
@@ -120,7 +125,7 @@ def _row_groups(num_rows: int, vectors: dict[int, np.ndarray], dtype: str) -> li
     are (Arrow reads them in place), else as few even groups as keep each within `CONVERTED_ROW_GROUP_BYTES`
     once converted."""
     arrays = list(vectors.values())
-    converted = any(is_bfloat16(a) or a.dtype != _STORAGE[dtype] for a in arrays)
+    converted = any(_converted(a, dtype) for a in arrays)
     if not converted or num_rows == 0:
         return [(0, num_rows)]
     row_bytes = sum(a.shape[1] for a in arrays) * np.dtype(_STORAGE[dtype]).itemsize

@@ -49,6 +49,12 @@ class EngineActivity:
     stepping_s: float = 0.0
     idle_s: float = 0.0
 
+    def since(self, earlier: EngineActivity | None) -> EngineActivity:
+        """What the engine thread did between `earlier` (None: the engine's start) and this reading."""
+        earlier = earlier or EngineActivity()
+        return EngineActivity(self.steps - earlier.steps, self.stepping_s - earlier.stepping_s,
+                              self.idle_s - earlier.idle_s)
+
 
 class Runner(Protocol):
     """An engine that pools hidden states of chosen layers (Hugging Face indices) for a list of texts."""
