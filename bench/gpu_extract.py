@@ -32,11 +32,13 @@ WORKLOADS = {"short": (4096, 18), "medium": (2000, 240), "short100k": (100_000, 
 # (their cost is linear in prompts; the full set would take minutes or hundreds of GB of /dev/shm).
 SUBSET = {"hf_loop": {"short": 256, "medium": 128}, "vllm_extract_hidden_states": {"short": 1024, "medium": 200}}
 MODES = ["hf_loop", "hf_batched", "vllm_plain", "layertap", "layertap_runner", "vllm_extract_hidden_states"]
-# Not in the default set: where the runner's ceiling lies (vLLM's pooling runner with its own pooler), and
-# which process placement or host work slows the flow.
+# Not in the default set: where the runner's ceiling lies (vLLM's pooling runner with its own pooler), which
+# process placement or host work slows the flow, and what vLLM's model runner version costs (in vLLM 0.26 a
+# generating Llama runs on its "V2" model runner, a pooling one on the older V1 runner layertap hooks).
 DIAGNOSTIC_MODES = ["layertap_runner_writing", "layertap_runner_in_flow", "layertap_runner_in_process",
                     "layertap_in_process", "vllm_pooling_eager", "vllm_pooling_compiled",
-                    "vllm_pooling_inprocess_async"]
+                    "vllm_pooling_inprocess_async", "vllm_plain_v1_runner", "vllm_pooling_v2_runner",
+                    "vllm_plain_profiled", "layertap_runner_profiled"]
 BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "1024"))
 IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "4"))
 # Every vLLM-based mode runs its workload this many times on one engine and reports the last pass: the
@@ -152,8 +154,23 @@ def run_vllm_plain(model_dir: str, prompt_sets: list[list[str]]) -> dict:
     engine.step = timed_step
     timing = _passes(run, prompt_sets)
     scheduler = engine.vllm_config.scheduler_config
-    return {**timing, "startup_s": startup, "last_pass_engine_thread": steps,
+    return {**timing, "startup_s": startup, "last_pass_engine_thread": steps, **_engine_kind(engine),
             "max_num_batched_tokens": scheduler.max_num_batched_tokens, "max_num_seqs": scheduler.max_num_seqs}
+
+
+def run_vllm_plain_v1_runner(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    """Plain generate on vLLM's V1 model runner, the one a pooling engine (layertap's) runs on in vLLM 0.26:
+    against `vllm_plain` (V2), what the runner version alone costs."""
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    return run_vllm_plain(model_dir, prompt_sets)
+
+
+def _engine_kind(engine) -> dict:
+    """Which of vLLM's model runners the engine uses and whether it schedules asynchronously."""
+    config = engine.vllm_config
+    uses_v2 = getattr(config, "use_v2_model_runner", None)
+    return {"model_runner": None if uses_v2 is None else ("v2" if uses_v2 else "v1"),
+            "async_scheduling": config.scheduler_config.async_scheduling}
 
 
 def _memory_gib() -> dict[str, float]:
@@ -522,7 +539,7 @@ def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_pro
     timing["engine_thread_all_passes"] = _activity_between(activity, engine)
     return {**timing, "startup_s": startup, "capture_buffer_bytes": runner.capture_buffer_bytes,
             "step_tokens": runner.step_tokens, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
-            "engine_options": overrides,
+            "engine_options": overrides, **_engine_kind(runner.llm.llm_engine),
             "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process}
 
 
@@ -609,7 +626,7 @@ def _vllm_pooling(model_dir: str, prompt_sets: list[list[str]], **options) -> di
     startup = time.perf_counter() - t0
     llm.encode(prompt_sets[0][:64], pooling_task="embed", use_tqdm=False)  # warm-up
     timing = _passes(lambda prompts: llm.encode(prompts, pooling_task="embed", use_tqdm=False), prompt_sets)
-    return {**timing, "startup_s": startup, "options": options}
+    return {**timing, "startup_s": startup, "options": options, **_engine_kind(llm.llm_engine)}
 
 
 def run_vllm_pooling_eager(model_dir: str, prompt_sets: list[list[str]]) -> dict:
@@ -624,6 +641,94 @@ def run_vllm_pooling_inprocess_async(model_dir: str, prompt_sets: list[list[str]
     """As the hooked runner drives it: engine core in this process, asynchronous scheduling, compiled."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return _vllm_pooling(model_dir, prompt_sets, async_scheduling=True)
+
+
+def run_vllm_pooling_v2_runner(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    """vLLM's own last-token pooling on its V2 model runner (asked for; pooling engines default to V1), compiled,
+    asynchronous scheduling: against `vllm_pooling_compiled`, what a capture hooked into V2 could gain."""
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    return _vllm_pooling(model_dir, prompt_sets, async_scheduling=True)
+
+
+# Calls into the CUDA runtime that make the host wait for the device (or may: a free, a pageable copy), and the
+# allocations and page-locking that can stall a step when they happen inside one.
+WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                 "cudaFree", "cudaMalloc", "cudaHostAlloc", "cudaHostRegister", "cudaFreeHost")
+PROFILE_PROMPTS = int(os.environ.get("BENCH_PROFILE_PROMPTS", "20000"))
+
+
+def _gpu_gaps(events) -> dict:
+    """Where the device had no kernel or copy running between the first and last it ran: the seconds in gaps
+    longer than 1 ms, their count and the ten longest (start in seconds from the first kernel, length in ms)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {"kernels": 0}
+    origin, busy_until, gaps = spans[0][0], spans[0][1], []
+    for start, end in spans[1:]:
+        if start - busy_until > 1000:  # microseconds
+            gaps.append((busy_until - origin, start - busy_until))
+        busy_until = max(busy_until, end)
+    return {"kernels": len(spans), "span_s": round((busy_until - origin) / 1e6, 3),
+            "gap_s_over_1ms": round(sum(g for _, g in gaps) / 1e6, 3), "gaps_over_1ms": len(gaps),
+            "longest_gaps_at_s_ms": [(round(at / 1e6, 3), round(gap / 1e3, 1))
+                                     for at, gap in sorted(gaps, key=lambda g: -g[1])[:10]]}
+
+
+def _profiled(run, prompts: list[str], in_engine_thread=lambda fn: fn()) -> dict:
+    """One pass under torch's profiler (host and device), summarised: device gaps, the host's calls that wait
+    for the device, and the host operations that took the most time. The engine must run in this process;
+    host operations are recorded on the thread that drives it (`in_engine_thread` runs a call there)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    in_engine_thread(prof.__enter__)
+    try:
+        start = time.perf_counter()
+        run(prompts)
+        seconds = time.perf_counter() - start
+    finally:
+        in_engine_thread(lambda: prof.__exit__(None, None, None))
+    averages = prof.key_averages()
+    waiting = {a.key: {"calls": a.count, "host_ms": round(a.cpu_time_total / 1e3, 1)}
+               for a in averages if a.key in WAITING_CALLS}
+    top = sorted(averages, key=lambda a: -a.self_cpu_time_total)[:20]
+    return {"seconds": seconds, "profiled_prompts": len(prompts), "device": _gpu_gaps(prof.events()),
+            "waiting_calls": waiting,
+            "top_host_self_ms": [(a.key, a.count, round(a.self_cpu_time_total / 1e3, 1)) for a in top]}
+
+
+def run_vllm_plain_profiled(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    """Plain generate, engine core in this process, one pass of `BENCH_PROFILE_PROMPTS` prompts profiled."""
+    from vllm import LLM, SamplingParams
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16")
+    llm.generate(prompt_sets[0][:PROFILE_PROMPTS], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+    result = _profiled(lambda p: llm.generate(p, SamplingParams(max_tokens=1), use_tqdm=False),
+                       prompt_sets[-1][:PROFILE_PROMPTS])
+    return {**result, **_engine_kind(llm.llm_engine)}
+
+
+def run_layertap_runner_profiled(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    """The hooked runner, engine core in this process, one pass of `BENCH_PROFILE_PROMPTS` prompts profiled."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from layertap.runner.vllm_runner import EngineOptions, VllmRunner
+
+    runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format="dummy", engine_process=False))
+    layers = list(range(runner.num_layers + 1))
+    runner.reserve_host_buffers(BATCH, len(layers), IN_FLIGHT)
+
+    def run(prompts):
+        batches = [prompts[i:i + BATCH] for i in range(0, len(prompts), BATCH)]
+        with ThreadPoolExecutor(IN_FLIGHT) as pool:
+            assert sum(pool.map(lambda b: _extract_and_release(runner, b, layers), batches)) == len(prompts)
+
+    run(prompt_sets[0][:PROFILE_PROMPTS])  # warm-up
+    # The engine's own thread steps it: the profiler is started and stopped there, between steps.
+    result = _profiled(run, prompt_sets[-1][:PROFILE_PROMPTS], runner._in_engine_thread)
+    return {**result, **_engine_kind(runner.llm.llm_engine)}
 
 
 def run_vllm_extract_hidden_states(model_dir: str, prompt_sets: list[list[str]]) -> dict:
@@ -677,6 +782,7 @@ def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
 
         result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()[-3000:]}
+    prompts = prompts[:result.get("profiled_prompts", len(prompts))]  # a profiled mode measures a prefix
     result["prompts"] = len(prompts)
     result["switch_interval_s"] = sys.getswitchinterval()
     if "layertap.writer" in sys.modules:
@@ -697,6 +803,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="short,medium")
     parser.add_argument("--mode-timeout", type=float, default=900, help="seconds one mode may run")
     parser.add_argument("--tag", default="", help="suffix of the results file name")
+    parser.add_argument("--model-dir", help="use this model folder instead of the Llama-2-7B shape (a dry run of "
+                        "the modes on a small model, on a CPU too, before spending GPU time)")
     parser.add_argument("--worker", nargs=4, metavar=("MODE", "WORKLOAD", "MODEL_DIR", "OUT"))
     args = parser.parse_args()
     if args.worker:
@@ -706,15 +814,16 @@ def main() -> None:
     import vllm
 
     root = Path(tempfile.mkdtemp(prefix="layertap-gpu-bench-"))
-    model_dir = build_model_dir(root)
+    model_dir = args.model_dir or build_model_dir(root)
     report = {
         "date": dt.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(0),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "command": "python " + " ".join(sys.argv),
-        "model": {"shape": "Llama-2-7B", **LLAMA2_7B, "dtype": "bfloat16", "weights": "dummy"},
-        "layers": "all (33 hidden states)", "pooling": "last", "passes_per_vllm_mode": PASSES,
+        "model": ({"shape": "Llama-2-7B", **LLAMA2_7B} if not args.model_dir else {"dir": args.model_dir})
+                 | {"dtype": "bfloat16", "weights": "dummy"},
+        "layers": "all hidden states (33 for the 7B shape)", "pooling": "last", "passes_per_vllm_mode": PASSES,
         "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
     }
     out = Path(args.out)
