@@ -520,8 +520,8 @@ def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_pro
 
     t0 = time.perf_counter()
     overrides = json.loads(os.environ.get("BENCH_ENGINE_OPTIONS", "{}"))  # e.g. {"max_num_seqs": 2048}
-    runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format="dummy",
-                                      engine_process=engine_process, **overrides))
+    options = {"dtype": "bfloat16", "load_format": "dummy", "engine_process": engine_process, **overrides}
+    runner = VllmRunner(EngineOptions(model=model_dir, **options))
     startup = time.perf_counter() - t0
     layers = list(range(runner.num_layers + 1))
     runner.extract(prompt_sets[0][:64], layers, "last").release()  # warm-up
