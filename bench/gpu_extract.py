@@ -511,11 +511,20 @@ def _extract_and_release(runner, prompts: list[str], layers: list[int]) -> int:
     return len(result.kept)
 
 
+def _in_batches(runner, prompts: list[str], layers: list[int]) -> None:
+    """Every prompt through the runner in batches submitted from several threads at once, as the flow does,
+    so the engine never drains between them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    batches = [prompts[i:i + BATCH] for i in range(0, len(prompts), BATCH)]
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        done = sum(pool.map(lambda batch: _extract_and_release(runner, batch, layers), batches))
+    assert done == len(prompts)
+
+
 def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_process: bool | None = None) -> dict:
     """The hooked runner alone: vectors for every prompt in host memory, no store. Batches are submitted
     from several threads at once, as the flow does, so the engine never drains between them."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
 
     t0 = time.perf_counter()
@@ -528,10 +537,7 @@ def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_pro
     runner.reserve_host_buffers(BATCH, len(layers), IN_FLIGHT)  # as the flow's extract task does
 
     def run(prompts):
-        batches = [prompts[i:i + BATCH] for i in range(0, len(prompts), BATCH)]
-        with ThreadPoolExecutor(IN_FLIGHT) as pool:
-            done = sum(pool.map(lambda b: _extract_and_release(runner, b, layers), batches))
-        assert done == len(prompts)
+        _in_batches(runner, prompts, layers)
 
     activity = runner.activity()
     timing = _passes(run, prompt_sets)
@@ -712,8 +718,6 @@ def run_vllm_plain_profiled(model_dir: str, prompt_sets: list[list[str]]) -> dic
 
 def run_layertap_runner_profiled(model_dir: str, prompt_sets: list[list[str]]) -> dict:
     """The hooked runner, engine core in this process, one pass of `BENCH_PROFILE_PROMPTS` prompts profiled."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
 
     runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format="dummy", engine_process=False))
@@ -721,9 +725,7 @@ def run_layertap_runner_profiled(model_dir: str, prompt_sets: list[list[str]]) -
     runner.reserve_host_buffers(BATCH, len(layers), IN_FLIGHT)
 
     def run(prompts):
-        batches = [prompts[i:i + BATCH] for i in range(0, len(prompts), BATCH)]
-        with ThreadPoolExecutor(IN_FLIGHT) as pool:
-            assert sum(pool.map(lambda b: _extract_and_release(runner, b, layers), batches)) == len(prompts)
+        _in_batches(runner, prompts, layers)
 
     run(prompt_sets[0][:PROFILE_PROMPTS])  # warm-up
     # The engine's own thread steps it: the profiler is started and stopped there, between steps.
