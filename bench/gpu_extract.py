@@ -661,6 +661,7 @@ def run_vllm_pooling_v2_runner(model_dir: str, prompt_sets: list[list[str]]) -> 
 WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                  "cudaFree", "cudaMalloc", "cudaHostAlloc", "cudaHostRegister", "cudaFreeHost")
 PROFILE_PROMPTS = int(os.environ.get("BENCH_PROFILE_PROMPTS", "20000"))
+PROFILED_MODES = ("vllm_plain_profiled", "layertap_runner_profiled")
 
 
 def _gpu_gaps(events) -> dict:
@@ -699,7 +700,7 @@ def _profiled(run, prompts: list[str], in_engine_thread=lambda fn: fn()) -> dict
     waiting = {a.key: {"calls": a.count, "host_ms": round(a.cpu_time_total / 1e3, 1)}
                for a in averages if a.key in WAITING_CALLS}
     top = sorted(averages, key=lambda a: -a.self_cpu_time_total)[:20]
-    return {"seconds": seconds, "profiled_prompts": len(prompts), "device": _gpu_gaps(prof.events()),
+    return {"seconds": seconds, "device": _gpu_gaps(prof.events()),
             "waiting_calls": waiting,
             "top_host_self_ms": [(a.key, a.count, round(a.self_cpu_time_total / 1e3, 1)) for a in top]}
 
@@ -710,9 +711,9 @@ def run_vllm_plain_profiled(model_dir: str, prompt_sets: list[list[str]]) -> dic
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16")
-    llm.generate(prompt_sets[0][:PROFILE_PROMPTS], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+    llm.generate(prompt_sets[0], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
     result = _profiled(lambda p: llm.generate(p, SamplingParams(max_tokens=1), use_tqdm=False),
-                       prompt_sets[-1][:PROFILE_PROMPTS])
+                       prompt_sets[-1])
     return {**result, **_engine_kind(llm.llm_engine)}
 
 
@@ -727,9 +728,9 @@ def run_layertap_runner_profiled(model_dir: str, prompt_sets: list[list[str]]) -
     def run(prompts):
         _in_batches(runner, prompts, layers)
 
-    run(prompt_sets[0][:PROFILE_PROMPTS])  # warm-up
+    run(prompt_sets[0])  # warm-up
     # The engine's own thread steps it: the profiler is started and stopped there, between steps.
-    result = _profiled(run, prompt_sets[-1][:PROFILE_PROMPTS], runner._in_engine_thread)
+    result = _profiled(run, prompt_sets[-1], runner._in_engine_thread)
     return {**result, **_engine_kind(runner.llm.llm_engine)}
 
 
@@ -764,7 +765,8 @@ def run_vllm_extract_hidden_states(model_dir: str, prompt_sets: list[list[str]])
 
 
 def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
-    limit = SUBSET.get(mode, {}).get(workload)
+    # Some modes are measured on a prefix of the workload (profiled ones: `BENCH_PROFILE_PROMPTS`).
+    limit = PROFILE_PROMPTS if mode in PROFILED_MODES else SUBSET.get(mode, {}).get(workload)
     if os.environ.get("BENCH_SWITCH_INTERVAL"):  # seconds; Python's default is 0.005 (bench/task_overhead.py)
         sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
     if os.environ.get("BENCH_ENCODER_THREADS"):  # Parquet encoders of the flow's process (default: one per core)
@@ -784,7 +786,6 @@ def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
 
         result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()[-3000:]}
-    prompts = prompts[:result.get("profiled_prompts", len(prompts))]  # a profiled mode measures a prefix
     result["prompts"] = len(prompts)
     result["switch_interval_s"] = sys.getswitchinterval()
     if "layertap.writer" in sys.modules:
