@@ -38,6 +38,9 @@ def embed_flow(
     load_format: str | None = None,
     truncate: bool | None = None,
     lock_timeout: float | None = None,
+    warm_engine: bool | None = None,
+    engine_idle_timeout: float | None = None,
+    engine_dir: str | None = None,
     env_file: str | None = ".env",
 ) -> dict:
     """Embed every input row's prompt at the requested layers; parameters left at None come from
@@ -68,6 +71,9 @@ def embed_flow(
             load_format=load_format,
             truncate=truncate,
             lock_timeout=lock_timeout,
+            warm_engine=warm_engine,
+            engine_idle_timeout=engine_idle_timeout,
+            engine_dir=engine_dir,
         )
     except ValidationError as exc:
         raise InputError(settings_error_line(exc)) from None

@@ -15,7 +15,7 @@ from concurrent.futures import wait as wait_first
 from pathlib import Path
 
 from prefect import get_run_logger
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 from prefect.utilities.annotations import quote
 
 from layertap import engine_cache, faults
@@ -23,7 +23,9 @@ from layertap import progress as run_progress
 from layertap.errors import EngineError
 from layertap.preflight import check_run
 from layertap.registry import Registry
+from layertap.report import run_summary
 from layertap.settings import Settings
+from layertap.store import StoreDB
 from layertap.store_lock import store_lock
 from layertap.truncation import truncation_length
 from tasks import (
@@ -80,7 +82,8 @@ def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
     store_dir = str(settings.store_path())
     if not settings.model:
         logger.info("no model given: using the tiny demo model in %s", settings.demo_model_dir())
-    settings = settings.model_copy(update={"model": resolve_model(settings), "store": store_dir})
+    warm = settings.warm_engine if settings.warm_engine is not None else deployment.id is not None
+    settings = settings.model_copy(update={"model": resolve_model(settings), "store": store_dir, "warm_engine": warm})
     with store_lock(store_dir, settings.lock_timeout):  # one writing run per store; readers never wait on it
         return _run_locked(settings, store_dir, dataset, started, logger)
 
@@ -90,6 +93,10 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
     run_id = history.start_run(dataset, str(flow_run.get_id() or "") or None)
 
     try:
+        if StoreDB(store_dir).changed_sources(settings.input, settings.text_column):
+            # New rows usually bring new prompts: the engine starts (or a warm one is attached) while they are
+            # read and planned, not after.
+            engine_cache.start_early(settings)
         ingested = ingest(store_dir, settings.input, settings.text_column)
         sources = ingested["sources"]
         normalised = normalise(store_dir, settings.remove_period)
@@ -180,7 +187,8 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
                     take(*in_flight.popleft())
                 if checking and checking[0][2].wrapped_future.done():
                     publish_checked()
-        engine = _engine_use(activity_before, engine_cache.engine_activity(settings))
+        engine = _engine_use(activity_before or engine_cache.activity_when_attached(settings),
+                             engine_cache.engine_activity(settings))
         # Batches overlap, so the extraction phase is timed on the wall clock, not summed per batch.
         extract_seconds = time.perf_counter() - phase_started if batches else 0.0
         ledger = validate_store(store_dir, key["rules_id"], eid, layer_list, sources)
@@ -192,31 +200,13 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
     finally:
         engine_cache.close_runners()
 
-    rejected = dict(normalised.get("rejected") or {})
-    summary = {
-        "dataset": dataset,
-        "rows": ingested["rows_total"],
-        "new_rows": ingested["rows_new"],
-        "new_prompts": normalised["new_prompts"],
-        "duplicates": normalised["duplicates"],
-        "rejected": sum(rejected.values()),
-        "refused": refused,
-        "planned": planned,
-        "batches": len(batches),
-        "embedded": embedded,
-        "skipped": ledger["embedded"] - embedded,
-        "tokens": tokens,
-        "extract_seconds": round(extract_seconds, 3),
-        **engine,
-        "layers": layer_list,
-        "dimension": key["hidden_size"],
-        "store": store_dir,
-        "model": settings.model,
-        "extraction_id": eid,
-        "ledger": ledger,
-        "quarantined": quarantined,
-        "seconds": round(time.perf_counter() - started, 3),
-    }
+    summary = run_summary(
+        dataset=dataset, store=store_dir, model=settings.model, extraction_id=eid, layers=layer_list,
+        dimension=key["hidden_size"], ledger=ledger, seconds=time.perf_counter() - started,
+        new_rows=ingested["rows_new"], normalised=normalised, planned=planned, batches=len(batches),
+        embedded=embedded, refused=refused, tokens=tokens, extract_seconds=extract_seconds, engine=engine,
+        quarantined=quarantined,
+    )
     publish_counts(summary)
     history.finish_run(run_id, "completed", summary["seconds"], summary)
     faults.hit("run.finished")  # the run recorded as completed, its summary not yet returned

@@ -66,6 +66,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "(default: yes on a GPU, no on a CPU)")
     p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
                    help="allow model folders that ship their own code")
+    p.add_argument("--warm-engine", action=argparse.BooleanOptionalAction, default=None,
+                   help="use (or start) a warm engine that stays up between runs (default: yes when a Prefect "
+                        "deployment runs the flow, no here)")
+    p.add_argument("--engine-idle-timeout", metavar="SECONDS",
+                   help="seconds a warm engine stays up with no run attached (default: 600)")
+    p.add_argument("--engine-dir", metavar="DIR",
+                   help="where warm engines keep their sockets and status (default: ~/.cache/layertap/engines)")
     p.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None,
                    help="cut prompts longer than the model's context instead of rejecting them")
     p.add_argument("--lock-timeout", metavar="SECONDS",
@@ -138,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="datasets, counts and the last runs of a store")
     status.add_argument("--store", metavar="DIR", help="store folder (default: ./layertap-store)")
     status.add_argument("--runs", metavar="N", type=int, default=5, help="how many recent runs to show (default: 5)")
+    status.add_argument("--engine-dir", metavar="DIR",
+                        help="where warm engines live (default: LAYERTAP_ENGINE_DIR, then ~/.cache/layertap/engines)")
     status.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.set_defaults(func=cmd_status)
@@ -172,11 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the embed, embed-new-rows and embed-nightly deployments from this process",
         description=(
             "Registers the three deployments of prefect.yaml with the Prefect server in PREFECT_API_URL and "
-            "runs their flow runs in this process, without a work pool or worker. Stop with Ctrl-C."
+            "runs their flow runs in this process, without a work pool or worker. Their runs share warm "
+            "engines, which stop after their idle timeout and when serve stops. Stop with Ctrl-C."
         ),
     )
     serve.add_argument("--prefect-file", metavar="PATH", default=str(PREFECT_FILE),
                        help=f"deployments to serve (default: {PREFECT_FILE})")
+    serve.add_argument("--start-engine", action="store_true",
+                       help="start the warm engine for the environment's settings (LAYERTAP_MODEL, engine options) "
+                            "now, so the first triggered run finds it up")
+    serve.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser(
@@ -196,7 +210,7 @@ _SETTING_ARGS = (
     "input", "text_column", "model", "layers", "pooling", "dtype", "store", "remove_period", "batch_size",
     "parity_sample", "batches_in_flight", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
     "tensor_parallel_size", "enforce_eager", "engine_process", "runner_process", "trust_remote_code", "truncate",
-    "lock_timeout",
+    "lock_timeout", "warm_engine", "engine_idle_timeout", "engine_dir",
 )
 
 
@@ -279,29 +293,38 @@ def _progress_bar(args: argparse.Namespace):
 _DATASET_FIXED = ("input", "text_column", "model", "layers", "pooling", "dtype", "remove_period")
 
 
-def run_dataset(args: argparse.Namespace) -> dict:
-    """`run --dataset`: the embed-dataset flow in this process, with the run options given here."""
-    from flows.embed_dataset import embed_dataset_flow
+def _dataset_options(args: argparse.Namespace) -> dict:
+    """`run --dataset`'s run options (those given here); the dataset's own come from the store."""
     from layertap.errors import InputError
 
     fixed = [f"--{name.replace('_', '-')}" for name in _DATASET_FIXED if getattr(args, name, None) is not None]
     if fixed:
         raise InputError(f"{', '.join(fixed)}: set by dataset {args.dataset} when it was first added")
     options = {name: getattr(args, name) for name in _SETTING_ARGS if name not in _DATASET_FIXED + ("store",)}
-    options = {k: v for k, v in options.items() if v is not None}
-    settings = settings_from_args(args)
-    return embed_dataset_flow(args.dataset, str(settings.store_path()), _env_file(args), options)
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from layertap.registry import dataset_settings
+    from layertap.up_to_date import finish_if_up_to_date
+
     if args.dataset:
-        with _progress_bar(args):
-            summary = run_dataset(args)
+        options = _dataset_options(args)
+        store = str(settings_from_args(args).store_path())
+        settings = dataset_settings(args.dataset, store, _env_file(args), options)
     else:
         settings = settings_from_args(args)
         preflight(settings)
+    # Nothing new: answered from the store, without Prefect, torch or an engine.
+    summary = finish_if_up_to_date(settings, args.dataset)
+    if summary is None:
         with _progress_bar(args):
-            summary = run_flow(settings)
+            if args.dataset:
+                from flows.embed_dataset import embed_dataset_flow
+
+                summary = embed_dataset_flow(args.dataset, store, _env_file(args), options)
+            else:
+                summary = run_flow(settings)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:
@@ -390,7 +413,11 @@ def cmd_add(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from layertap.registry import read_status
 
+    from layertap.runner.warm_engine import list_engines
+    from layertap.settings import load_settings
+
     status = read_status(_store_dir(args), last_runs=args.runs)
+    status["engines"] = list_engines(load_settings(env_file=_env_file(args), engine_dir=args.engine_dir).engine_dir)
     if args.json:
         print(json.dumps(status, indent=2, default=str))
         return EXIT_OK
@@ -406,6 +433,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         layers = ",".join(map(str, e["layers"])) or "none yet"
         print(f"  {e['extraction_id']}  {e['prompts']:>9} prompts  layers {layers}  {e['pooling']}, {e['dtype']}, "
               f"{e['model']}")
+    _print_engines(status["engines"])
     print(f"last runs ({len(status['runs'])})")
     for r in status["runs"]:
         s = r["summary"]
@@ -418,6 +446,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         seconds = f"{r['seconds']:.1f}s" if r["seconds"] is not None else "-"
         print(f"  {str(r['started_at'])[:19]}  {r['status']:<9} {what:<24} {detail}  {seconds}")
     return EXIT_OK
+
+
+def _print_engines(engines: list[dict]) -> None:
+    import time
+
+    print(f"warm engines ({len(engines)})")
+    now = time.time()
+    for e in engines:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["started_at"]))
+        use = (f"{e['clients']} runs attached" if e.get("clients") else
+               f"idle {now - e['last_used']:.0f} s of {e['idle_timeout']:.0f} s")
+        device = f", device {e['device_bytes'] / 2**30:.1f} GiB" if e.get("device_bytes") is not None else ""
+        print(f"  {e['key']}  pid {e['pid']}  {e['model']} ({e['options']['dtype']})  since {since}  {use}  "
+              f"host {e['host_rss_bytes'] / 2**30:.1f} GiB{device}")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -451,10 +493,37 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import threading
+
+    from layertap.runner import warm_engine
+    from layertap.settings import load_settings
+
+    # A triggered run starts within a second of its event rather than within Prefect's default 10 s poll.
+    os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "1")
     from flows.serve import serve_from_prefect_file
 
-    serve_from_prefect_file(args.prefect_file)
+    settings = load_settings(env_file=_env_file(args))
+    if args.start_engine:
+        threading.Thread(target=_start_warm_engine, args=(settings,), name="layertap-warm-engine", daemon=True).start()
+    try:
+        serve_from_prefect_file(args.prefect_file)
+    finally:
+        stopped = warm_engine.stop_engines(settings.engine_dir)
+        if stopped:
+            print(f"layertap serve: stopped {stopped} warm engines", file=sys.stderr)
     return EXIT_OK
+
+
+def _start_warm_engine(settings) -> None:
+    """Start the warm engine `settings` would attach to, and detach: it stays up for the runs to come."""
+    from flows.pipeline import resolve_model
+    from layertap import engine_cache
+
+    try:
+        settings = settings.model_copy(update={"model": resolve_model(settings), "warm_engine": True})
+        engine_cache.start_runner(*engine_cache.engine_start_args(settings)).close()
+    except Exception as exc:  # noqa: BLE001 - runs still start one on first use
+        print(f"layertap serve: the warm engine did not start: {_one_line(exc)}", file=sys.stderr)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -1,8 +1,11 @@
 """One extraction engine per process, started on first use and shared by every batch.
 
 Starting vLLM costs seconds to a minute while batches are many, so batch tasks ask this registry for a
-runner instead of building one. The flow closes the registry when it ends. A caller that runs many flows
-in one process (a test run, a notebook) can `pin()` the registry so engines survive between flows.
+runner instead of building one. A run that will need its engine can start it early (`start_early`), while
+it still ingests and plans. With `warm_engine` the registry attaches to a warm engine that outlives the
+run (`layertap.runner.warm_engine`) instead of starting one of its own; closing then only detaches.
+The flow closes the registry when it ends. A caller that runs many flows in one process (a test run, a
+notebook) can `pin()` the registry so engines survive between flows.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from layertap.errors import EngineError
 from layertap.runner.engine_options import EngineOptions
 
 if TYPE_CHECKING:
@@ -20,6 +24,9 @@ if TYPE_CHECKING:
 
 _lock = threading.RLock()
 _runners: dict[tuple, Any] = {}
+_start_locks: dict[tuple, threading.Lock] = {}
+_early_failures: dict[tuple, BaseException] = {}
+_closings = 0  # how many times the registry was closed: a start that outlived a close is closed too
 _pins = 0
 _started = 0
 _requests = 0
@@ -30,25 +37,76 @@ def runner_key(settings: Settings) -> tuple:
     if not settings.model:
         raise ValueError("runner_key needs a resolved model directory")
     opts = tuple(sorted(settings.engine_options().items()))
-    return (str(Path(settings.model).expanduser().resolve()), settings.dtype, opts)
+    warm = (settings.engine_dir, settings.engine_idle_timeout) if settings.warm_engine else None
+    return (str(Path(settings.model).expanduser().resolve()), settings.dtype, opts, warm)
 
 
 def get_runner(settings: Settings):
-    """The process's runner for these settings, started now if this is the first use."""
-    global _started, _requests
-    key = runner_key(settings)
+    """The process's runner for these settings, started (or attached to) now if this is the first use."""
+    global _requests
     with _lock:
         _requests += 1
+    return _runner(settings)
+
+
+def _runner(settings: Settings):
+    global _started
+    key = runner_key(settings)
+    with _lock:
         runner = _runners.get(key)
-        if runner is None:
-            runner = start_runner(EngineOptions(model=key[0], dtype=settings.dtype, **dict(key[2])))
-            _runners[key] = runner
+        if runner is not None:
+            return runner
+        start_lock = _start_locks.setdefault(key, threading.Lock())
+    with start_lock:  # one start per key; other keys' lookups go on meanwhile
+        with _lock:
+            runner = _runners.get(key)
+            failure = _early_failures.pop(key, None)
+        if runner is not None:
+            return runner
+        if failure is not None:
+            raise failure  # the early start failed: its caller sees why (a retry starts afresh)
+        closings = _closings
+        runner = start_runner(*engine_start_args(settings))
+        with _lock:
             _started += 1
-        return runner
+            if _closings == closings:
+                _runners[key] = runner
+                return runner
+        runner.close()  # the run ended while its engine started
+        raise EngineError("the engine registry was closed while this engine started")
 
 
-def start_runner(options: EngineOptions):
-    """A runner in this process, or in one of its own (`EngineOptions.runner_process`; on a GPU by default)."""
+def engine_start_args(settings: Settings) -> tuple:
+    """`start_runner`'s arguments for these settings."""
+    model, dtype, options, warm = runner_key(settings)
+    return (EngineOptions(model=model, dtype=dtype, **dict(options)), *(warm or ()))
+
+
+def start_early(settings: Settings) -> threading.Thread:
+    """Start (or attach to) the engine for these settings in the background, so it is up by the time the
+    first batch asks for it; a failure is raised to that batch (unless the run has ended meanwhile)."""
+    closings = _closings
+
+    def start() -> None:
+        try:
+            _runner(settings)
+        except BaseException as exc:  # noqa: BLE001 - handed to the first batch that asks
+            with _lock:
+                if _closings == closings:
+                    _early_failures[runner_key(settings)] = exc
+
+    thread = threading.Thread(target=start, name="layertap-engine-start", daemon=True)
+    thread.start()
+    return thread
+
+
+def start_runner(options: EngineOptions, engine_dir: str | None = None, idle_timeout: float | None = None):
+    """A runner in this process, in one of its own (`EngineOptions.runner_process`; on a GPU by default), or,
+    given an idle timeout, a warm engine shared with later runs."""
+    if idle_timeout is not None:
+        from layertap.runner.warm_engine import attach
+
+        return attach(options, idle_timeout, engine_dir)
     if options.runner_in_own_process():
         from layertap.runner.runner_process import RunnerProcess
 
@@ -91,11 +149,14 @@ def discard_if_dead(settings: Settings, runner) -> bool:
 
 def close_runners(force: bool = False) -> int:
     """Close every engine (unless pinned and not forced); returns how many were closed."""
+    global _closings
     with _lock:
         if _pins and not force:
             return 0
+        _closings += 1
         runners = list(_runners.values())
         _runners.clear()
+        _early_failures.clear()
     for runner in runners:
         with contextlib.suppress(Exception):
             runner.close()
@@ -130,12 +191,23 @@ def runner_requests() -> int:
 
 def engine_activity(settings: Settings):
     """The open engine's `EngineActivity` for these settings, or None when none is open (or it cannot say)."""
-    with _lock:
-        runner = _runners.get(runner_key(settings))
+    runner = open_runner(settings)
     try:
         return runner.activity() if runner is not None else None
     except Exception:  # noqa: BLE001 - a dead engine has nothing to report; the run reports its own error
         return None
+
+
+def open_runner(settings: Settings):
+    """The engine already open for these settings, or None (never starts one)."""
+    with _lock:
+        return _runners.get(runner_key(settings))
+
+
+def activity_when_attached(settings: Settings):
+    """A warm engine's `EngineActivity` when this process attached to it (its counters span earlier runs),
+    or None."""
+    return getattr(open_runner(settings), "activity_when_attached", None)
 
 
 def open_runners() -> int:

@@ -145,6 +145,33 @@ class Registry:
             )
 
 
+# What a dataset fixes when it is created; a run can change everything else (batch size, engine options).
+DATASET_FIXED = ("input", "store", "text_column", *EXTRACTION_OPTIONS)
+
+
+def dataset_settings(dataset: str, store: str | None, env_file: str | None, options: dict | None = None):
+    """The dataset's files and extraction settings on top of `options` and the environment."""
+    from pydantic import ValidationError
+
+    from layertap.settings import load_settings, settings_error_line
+
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    fixed = sorted(set(options) & set(DATASET_FIXED))
+    if fixed:
+        raise InputError(f"{', '.join(fixed)}: fixed by dataset {dataset}, not a run option")
+    try:
+        base = load_settings(env_file=env_file, store=store, **options)
+        found = Registry(base.store_path(), create=False).get(dataset)
+        if not found.sources:
+            raise InputError(f"dataset {dataset} has no files (layertap add --dataset {dataset} --input ...)")
+        return load_settings(
+            env_file=env_file, store=str(base.store_path()), input=found.sources, text_column=found.text_column,
+            **options, **found.options,
+        )
+    except ValidationError as exc:
+        raise InputError(settings_error_line(exc)) from None
+
+
 def read_status(store_dir: str | Path, last_runs: int = 5) -> dict:
     """Datasets with their files and row counts, extractions with what they hold, and the latest runs.
 

@@ -7,6 +7,42 @@ see the same numbers.
 from __future__ import annotations
 
 
+def run_summary(
+    *, dataset: str | None, store: str, model: str, extraction_id: str, layers: list[int], dimension: int,
+    ledger: dict, seconds: float, new_rows: int = 0, normalised: dict | None = None, planned: int = 0,
+    batches: int = 0, embedded: int = 0, refused: int = 0, tokens: int = 0, extract_seconds: float = 0.0,
+    engine: dict | None = None, quarantined: list | None = None,
+) -> dict:
+    """What a run did, as the CLI prints it, the run's page shows it and the store's history keeps it.
+    Left at their defaults, the counts describe a run that found nothing new."""
+    normalised = normalised or {}
+    rejected = dict(normalised.get("rejected") or {})
+    return {
+        "dataset": dataset,
+        "rows": ledger["rows"],
+        "new_rows": new_rows,
+        "new_prompts": normalised.get("new_prompts", 0),
+        "duplicates": normalised.get("duplicates", 0),
+        "rejected": sum(rejected.values()),
+        "refused": refused,
+        "planned": planned,
+        "batches": batches,
+        "embedded": embedded,
+        "skipped": ledger["embedded"] - embedded,
+        "tokens": tokens,
+        "extract_seconds": round(extract_seconds, 3),
+        **(engine or {"engine_busy_seconds": None, "engine_idle_seconds": None}),
+        "layers": layers,
+        "dimension": dimension,
+        "store": store,
+        "model": model,
+        "extraction_id": extraction_id,
+        "ledger": ledger,
+        "quarantined": quarantined or [],
+        "seconds": round(seconds, 3),
+    }
+
+
 def counts_table(summary: dict) -> list[dict]:
     """One row per count; every input row lands in exactly one of embedded, duplicate and rejected."""
     ledger = summary.get("ledger") or {}

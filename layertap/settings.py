@@ -73,6 +73,13 @@ class Settings(BaseSettings):
     # on a GPU, not on a CPU.
     runner_process: bool | None = None
     trust_remote_code: bool = False
+    # Keep the engine up between runs, in a process of its own that runs attach to (`warm_engine`), so a
+    # small incremental run skips vLLM's start. None: when a Prefect deployment runs the flow.
+    warm_engine: bool | None = None
+    # Seconds a warm engine stays up with no run attached before it exits and frees the device.
+    engine_idle_timeout: float = Field(600.0, ge=0)
+    # Where warm engines keep their sockets and status files (default: ~/.cache/layertap/engines).
+    engine_dir: str | None = None
     # "dummy" starts the engine with random weights of the model's shape: for speed runs only.
     load_format: Literal["auto", "dummy"] | None = None
 
@@ -103,6 +110,8 @@ class Settings(BaseSettings):
 
     @field_validator(
         "model",
+        "engine_dir",
+        "warm_engine",
         "max_num_batched_tokens",
         "max_model_len",
         "gpu_memory_utilization",

@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 from layertap import faults
 from layertap.errors import InputError, StoreError
 from layertap.file_modes import drop_world_write, make_dirs
+from layertap.model_fingerprint import fingerprint_model, read_model_info
 from layertap.normalise import REJECT_EMPTY, REJECT_NUL, REJECT_NULL, NormaliseRules
 from layertap.sorted_layer import read_layer_sorted
 from layertap.writer import layer_column
@@ -198,6 +199,16 @@ class ExtractionKey:
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
+    @classmethod
+    def for_model(
+        cls, model_dir: str, pooling: str, dtype: str, rules_id: str, truncate_to: int | None = None
+    ) -> ExtractionKey:
+        """The key of a model folder, read from its files (no engine needed)."""
+        info = read_model_info(model_dir)
+        return cls(model_fingerprint=fingerprint_model(model_dir), model_path=model_dir, pooling=pooling,
+                   dtype=dtype, rules_id=rules_id, hidden_size=info.hidden_size, num_layers=info.num_layers,
+                   truncate_to=truncate_to)
+
 
 @dataclass(frozen=True)
 class Publication:
@@ -305,7 +316,7 @@ def _scope(sources: list[str] | None) -> list[str] | None:
     return [os.path.realpath(os.path.expanduser(str(s))) for s in sources]
 
 
-def _expand_inputs(paths: list[str]) -> list[str]:
+def expand_inputs(paths: list[str]) -> list[str]:
     """Absolute paths of the input files, globs expanded (sorted, files only), duplicates dropped."""
     files: list[str] = []
     for given in paths:
@@ -338,7 +349,7 @@ def check_inputs(paths: list[str], text_column: str) -> list[str]:
 
     Returns the files. Runs on an in-memory database, so a bad input fails before the store is touched.
     """
-    files = _expand_inputs(paths)
+    files = expand_inputs(paths)
     with duckdb.connect() as con:
         for path in files:
             _file_sha256(path)
@@ -545,7 +556,7 @@ class StoreDB:
 
         All files are checked (readable, has the column) before any is written, so a typo fails fast.
         """
-        files = _expand_inputs(paths)
+        files = expand_inputs(paths)
         read = skipped = total = new = 0
         with self._connect() as con:
             changed = []
@@ -573,6 +584,24 @@ class StoreDB:
         return IngestReport(
             sources_read=read, sources_skipped=skipped, rows_total=total, rows_new=new, sources=files
         )
+
+    def changed_sources(self, paths: list[str], text_column: str) -> list[str]:
+        """The input files `ingest` would read: new to the store, changed since, or read for another column."""
+        files = expand_inputs(paths)
+        with self._connect() as con:
+            known = {source: (fingerprint, column) for source, fingerprint, column in con.execute(
+                "SELECT source, fingerprint, text_column FROM sources WHERE list_contains($files, source)",
+                {"files": files}).fetchall()}
+        return [path for path in files if known.get(path) != (_file_sha256(path), text_column)]
+
+    def rows_to_normalise(self, rules: NormaliseRules, sources: list[str]) -> int:
+        """Rows of `sources` that `normalise` has not yet given a prompt (or a reason) under these rules."""
+        with self._connect() as con:
+            return _one(con, """SELECT count(*) FROM rows r ANTI JOIN (SELECT source, row_number FROM row_prompts
+                                                             WHERE rules_id = $rules) d
+                                ON r.source = d.source AND r.row_number = d.row_number
+                                WHERE list_contains($sources, r.source)""",
+                        {"rules": rules.rules_id, "sources": sources})[0]
 
     @staticmethod
     def _replace_rows(
@@ -673,6 +702,10 @@ class StoreDB:
                     f"got {key.hidden_size}, {key.num_layers}"
                 )
         return eid
+
+    def has_extraction(self, extraction_id: str) -> bool:
+        with self._connect() as con:
+            return _one(con, "SELECT count(*) FROM extractions WHERE extraction_id = ?", [extraction_id])[0] > 0
 
     def _extraction_rules(self, con: duckdb.DuckDBPyConnection, extraction_id: str) -> tuple[str, int]:
         found = _one(con, "SELECT rules_id, num_layers FROM extractions WHERE extraction_id = ?", [extraction_id])

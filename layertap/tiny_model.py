@@ -76,6 +76,21 @@ def _config(arch: str, vocab_size: int, num_layers: int, hidden_size: int):
     raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
 
 
+MARKER = "layertap-tiny.json"
+
+
+def _recipe(arch: str, num_layers: int, hidden_size: int, seed: int) -> dict:
+    return {"recipe": RECIPE_VERSION, "arch": arch, "layers": num_layers, "hidden": hidden_size, "seed": seed}
+
+
+def is_built(
+    directory: str | os.PathLike, arch: str = "llama", num_layers: int = 4, hidden_size: int = 128, seed: int = 0
+) -> bool:
+    """Whether `build_tiny_model` with these arguments would reuse what `directory` holds."""
+    marker = Path(directory) / MARKER
+    return marker.is_file() and json.loads(marker.read_text()) == _recipe(arch, num_layers, hidden_size, seed)
+
+
 def build_tiny_model(
     directory: str | os.PathLike,
     arch: str = "llama",
@@ -83,15 +98,15 @@ def build_tiny_model(
     hidden_size: int = 128,
     seed: int = 0,
 ) -> str:
-    """Write a random `arch` model and its tokenizer to `directory` (reused when already built)."""
+    """Write a random `arch` model and its tokenizer to `directory` (reused when already built, without
+    importing torch)."""
+    target = Path(directory)
+    recipe = _recipe(arch, num_layers, hidden_size, seed)
+    if is_built(target, arch, num_layers, hidden_size, seed):
+        return str(target)
+
     import torch
     from transformers import AutoModelForCausalLM
-
-    target = Path(directory)
-    recipe = {"recipe": RECIPE_VERSION, "arch": arch, "layers": num_layers, "hidden": hidden_size, "seed": seed}
-    marker = target / "layertap-tiny.json"
-    if marker.exists() and json.loads(marker.read_text()) == recipe:
-        return str(target)
 
     tokenizer = _byte_level_tokenizer()
     config = _config(arch, len(tokenizer), num_layers, hidden_size)
@@ -101,7 +116,7 @@ def build_tiny_model(
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
-    (staging / "layertap-tiny.json").write_text(json.dumps(recipe))
+    (staging / MARKER).write_text(json.dumps(recipe))
     if target.exists():
         shutil.rmtree(target)
     os.replace(staging, target)

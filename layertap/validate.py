@@ -23,6 +23,19 @@ CHECK_BLOCK_BYTES = 32_000_000
 PARITY_MIN_COSINE = {"float32": 0.99999, "float16": 0.99, "bfloat16": 0.99}
 
 
+def check_ledger(counts: dict, layers: list[int]) -> None:
+    """The store holds every requested layer of every prompt in scope (but quarantined ones), and the ledger
+    accounts for every input row (`StoreDB.ledger_counts`)."""
+    if counts["pending"]:
+        raise ValidationError(
+            f"check 'store complete': {counts['pending']} rows still lack a result for some of layers "
+            f"{','.join(map(str, layers))}"
+        )
+    accounted = sum(counts[status] for status in ("embedded", "duplicate", "rejected", "quarantined"))
+    if accounted != counts["rows"]:
+        raise ValidationError(f"check 'ledger': accounts for {accounted} of {counts['rows']} input rows")
+
+
 def check_vectors(vectors: dict[int, np.ndarray], layers: list[int], num_rows: int, hidden_size: int) -> None:
     """One vector per prompt and layer, of the model's width, finite, and not all zero."""
     missing = sorted(set(layers) - set(vectors))
@@ -162,15 +175,17 @@ def parity_check(
     pooling: str,
     dtype: str,
     trust_remote_code: bool = False,
+    engine=None,
 ) -> ParityReport:
-    """Recompute `texts` with transformers (float32, CPU) and compare with `vectors` (rows = texts)."""
-    from layertap.runner.hf_runner import HfRunner
+    """Recompute `texts` with transformers (float32, CPU) and compare with `vectors` (rows = texts). Given an
+    engine in another process that can compute the reference (`RunnerClient.reference`), it does, so this
+    process never loads torch."""
+    if hasattr(engine, "reference"):
+        expected = engine.reference(texts, layers, pooling, trust_remote_code)
+    else:
+        from layertap.runner.hf_runner import hf_reference
 
-    reference = HfRunner(model, "float32", trust_remote_code=trust_remote_code)
-    try:
-        expected = reference.extract(texts, layers, pooling).vectors
-    finally:
-        reference.close()
+        expected = hf_reference(model, texts, layers, pooling, trust_remote_code)
     return compare({layer: vectors[layer] for layer in layers}, expected, dtype)
 
 

@@ -8,7 +8,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from layertap.layers import resolve_layers
-from layertap.model_fingerprint import fingerprint_model, read_model_info
+from layertap.model_fingerprint import read_model_info
 from layertap.normalise import NormaliseRules
 from layertap.store import ExtractionKey, StoreDB
 
@@ -19,29 +19,18 @@ def register_extraction(
     truncate_to: int | None = None,
 ) -> dict:
     """Fingerprint the model from its files (no engine needed) and record the extraction key."""
-    info = read_model_info(model_dir)
-    fingerprint = fingerprint_model(model_dir)
     rules = NormaliseRules(remove_period=remove_period)
-    key = ExtractionKey(
-        model_fingerprint=fingerprint,
-        model_path=model_dir,
-        pooling=pooling,
-        dtype=dtype,
-        rules_id=rules.rules_id,
-        hidden_size=info.hidden_size,
-        num_layers=info.num_layers,
-        truncate_to=truncate_to,
-    )
-    resolved = resolve_layers(layers, info.num_layers)  # a bad index fails before the store is touched
+    key = ExtractionKey.for_model(model_dir, pooling, dtype, rules.rules_id, truncate_to)
+    resolved = resolve_layers(layers, key.num_layers)  # a bad index fails before the store is touched
     db = StoreDB(store)
     extraction_id = db.register_extraction(key)
     get_run_logger().info(
         "extraction %s: model %s (%s, %d layers, hidden %d), %s pooling, %s, rules %s, layers %s",
         extraction_id,
-        fingerprint[:12],
-        info.model_type,
-        info.num_layers,
-        info.hidden_size,
+        key.model_fingerprint[:12],
+        read_model_info(model_dir).model_type,
+        key.num_layers,
+        key.hidden_size,
         pooling,
         dtype,
         rules.rules_id,
@@ -50,12 +39,12 @@ def register_extraction(
     return {
         "extraction_id": extraction_id,
         "store_uuid": db.store_uuid,
-        "model_fingerprint": fingerprint,
+        "model_fingerprint": key.model_fingerprint,
         "model_dir": model_dir,
         "rules_id": rules.rules_id,
         "layers": resolved,
-        "hidden_size": info.hidden_size,
-        "num_layers": info.num_layers,
+        "hidden_size": key.hidden_size,
+        "num_layers": key.num_layers,
     }
 
 

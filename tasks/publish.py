@@ -9,7 +9,7 @@ import numpy as np
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from layertap import faults
+from layertap import engine_cache, faults
 from layertap import validate as checks
 from layertap.errors import ValidationError as CheckFailed
 from layertap.file_modes import make_dirs
@@ -102,6 +102,7 @@ def _parity(store: str, part: dict, settings: Settings, paths: list[str], stored
         settings.pooling,
         settings.dtype,
         trust_remote_code=settings.trust_remote_code,
+        engine=engine_cache.open_runner(settings),
     )
 
 

@@ -6,7 +6,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from layertap import faults
-from layertap.errors import ValidationError as CheckFailed
+from layertap.validate import check_ledger
 from layertap.store import StoreDB
 
 
@@ -20,14 +20,7 @@ def validate_store(
     db.sweep_staging(min_age_s=0)  # the run holds the store's lock: any unpublished file is a leftover
     counts = db.ledger_counts(rules_id, extraction_id, list(layers), sources)
     faults.hit("validate-store.counted")  # every batch published, the ledger not yet checked
-    if counts["pending"]:
-        raise CheckFailed(
-            f"check 'store complete': {counts['pending']} rows still lack a result for some of layers "
-            f"{','.join(map(str, layers))}"
-        )
-    accounted = sum(counts[status] for status in ("embedded", "duplicate", "rejected", "quarantined"))
-    if accounted != counts["rows"]:
-        raise CheckFailed(f"check 'ledger': accounts for {accounted} of {counts['rows']} input rows")
+    check_ledger(counts, layers)
     get_run_logger().info(
         "validate store: %s",
         ", ".join(f"{k} {v}" for k, v in counts.items() if not isinstance(v, dict)),

