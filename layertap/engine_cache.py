@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from layertap.errors import EngineError
-from layertap.runner.engine_options import EngineOptions
+from layertap.runner.engine_options import EngineOptions, vllm_is_cpu_build
 
 if TYPE_CHECKING:
     from layertap.settings import Settings
@@ -37,8 +37,8 @@ def runner_key(settings: Settings) -> tuple:
     if not settings.model:
         raise ValueError("runner_key needs a resolved model directory")
     opts = tuple(sorted(settings.engine_options().items()))
-    warm = (settings.engine_dir, settings.engine_idle_timeout) if settings.warm_engine else None
-    return (str(Path(settings.model).expanduser().resolve()), settings.dtype, opts, warm)
+    idle_timeout = settings.engine_idle_timeout if settings.warm_engine else None
+    return (str(Path(settings.model).expanduser().resolve()), settings.dtype, opts, settings.engine_dir, idle_timeout)
 
 
 def get_runner(settings: Settings):
@@ -78,8 +78,8 @@ def _runner(settings: Settings):
 
 def engine_start_args(settings: Settings) -> tuple:
     """`start_runner`'s arguments for these settings."""
-    model, dtype, options, warm = runner_key(settings)
-    return (EngineOptions(model=model, dtype=dtype, **dict(options)), *(warm or ()))
+    model, dtype, options, engine_dir, idle_timeout = runner_key(settings)
+    return EngineOptions(model=model, dtype=dtype, **dict(options)), engine_dir, idle_timeout
 
 
 def start_early(settings: Settings) -> threading.Thread:
@@ -102,11 +102,13 @@ def start_early(settings: Settings) -> threading.Thread:
 
 def start_runner(options: EngineOptions, engine_dir: str | None = None, idle_timeout: float | None = None):
     """A runner in this process, in one of its own (`EngineOptions.runner_process`; on a GPU by default), or,
-    given an idle timeout, a warm engine shared with later runs."""
-    if idle_timeout is not None:
-        from layertap.runner.warm_engine import attach
+    given an idle timeout, a warm engine in `engine_dir` shared with later runs."""
+    from layertap.runner import warm_engine
 
-        return attach(options, idle_timeout, engine_dir)
+    if idle_timeout is not None:
+        return warm_engine.attach(options, idle_timeout, engine_dir)
+    if not vllm_is_cpu_build():
+        warm_engine.stop_engines(engine_dir, idle_only=True)  # an idle warm engine would hold the device's memory
     if options.runner_in_own_process():
         from layertap.runner.runner_process import RunnerProcess
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from layertap import faults
 from layertap.layers import resolve_layers
 from layertap.normalise import NormaliseRules
 from layertap.registry import Registry
@@ -19,7 +20,7 @@ from layertap.store import DB_NAME, ExtractionKey, StoreDB, expand_inputs
 from layertap.store_lock import store_lock
 from layertap.tiny_model import is_built
 from layertap.truncation import truncation_length
-from layertap.validate import check_ledger
+from layertap.validate import check_store_complete
 
 
 def built_model(settings) -> str | None:
@@ -53,11 +54,11 @@ def finish_if_up_to_date(settings, dataset: str | None = None) -> dict | None:
             return None
         if db.plan(key.extraction_id, layers, rules.rules_id, settings.batch_size, sources):
             return None
-        ledger = db.ledger_counts(rules.rules_id, key.extraction_id, layers, sources)
-        check_ledger(ledger, layers)
+        ledger = check_store_complete(db, rules.rules_id, key.extraction_id, layers, sources)
         summary = run_summary(dataset=dataset, store=str(store_dir), model=model, extraction_id=key.extraction_id,
                               layers=layers, dimension=key.hidden_size, ledger=ledger,
                               seconds=time.perf_counter() - started)
         history = Registry(store_dir)
         history.finish_run(history.start_run(dataset, None), "completed", summary["seconds"], summary)
+        faults.hit("run.finished")
         return summary

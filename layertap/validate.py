@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from layertap import bfloat16
+from layertap import bfloat16, faults
 from layertap.errors import ValidationError
 from layertap.layer_views import stacked_view
 from layertap.writer import layer_column
@@ -23,9 +23,13 @@ CHECK_BLOCK_BYTES = 32_000_000
 PARITY_MIN_COSINE = {"float32": 0.99999, "float16": 0.99, "bfloat16": 0.99}
 
 
-def check_ledger(counts: dict, layers: list[int]) -> None:
-    """The store holds every requested layer of every prompt in scope (but quarantined ones), and the ledger
-    accounts for every input row (`StoreDB.ledger_counts`)."""
+def check_store_complete(db, rules_id: str, extraction_id: str, layers: list[int], sources: list[str] | None) -> dict:
+    """The end of every run, under the store's lock: remove unpublished leftovers (of this run or of one that
+    crashed), then check that the store holds every requested layer of every prompt in scope (but quarantined
+    ones) and that the ledger accounts for every input row. Returns the ledger's counts."""
+    db.sweep_staging(min_age_s=0)  # the run holds the store's lock: any unpublished file is a leftover
+    counts = db.ledger_counts(rules_id, extraction_id, list(layers), sources)
+    faults.hit("validate-store.counted")  # every batch published, the ledger not yet checked
     if counts["pending"]:
         raise ValidationError(
             f"check 'store complete': {counts['pending']} rows still lack a result for some of layers "
@@ -34,6 +38,7 @@ def check_ledger(counts: dict, layers: list[int]) -> None:
     accounted = sum(counts[status] for status in ("embedded", "duplicate", "rejected", "quarantined"))
     if accounted != counts["rows"]:
         raise ValidationError(f"check 'ledger': accounts for {accounted} of {counts['rows']} input rows")
+    return counts
 
 
 def check_vectors(vectors: dict[int, np.ndarray], layers: list[int], num_rows: int, hidden_size: int) -> None:

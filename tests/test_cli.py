@@ -16,6 +16,7 @@ from pathlib import Path
 
 from layertap import engine_cache
 from layertap.cli import main
+from layertap.registry import read_status
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,6 +148,25 @@ def test_run_then_rerun(shared_engine, tiny_model, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "extracted  nothing: 3 prompts already embedded" in out
     assert engine_cache.runner_requests() == requests
+
+    # In a process of its own, as a user runs it: answered from the store, with no Prefect, torch or vLLM
+    # loaded, and recorded in the store's history like any run.
+    code = ("import json, sys; from layertap.cli import main; code = main(sys.argv[1:]); "
+            "print(json.dumps([code, sorted(m for m in ('prefect', 'torch', 'vllm') if m in sys.modules)]))")
+    out = subprocess.run([sys.executable, "-c", code, *args[:-1]], capture_output=True, text=True, env=child_env(),
+                         cwd=tmp_path, check=True)
+    assert json.loads(out.stdout.splitlines()[-1]) == [0, []], out.stderr
+    assert "extracted  nothing: 3 prompts already embedded" in out.stdout
+    runs = read_status(store)["runs"]
+    assert [r["status"] for r in runs[:3]] == ["completed"] * 3
+    assert runs[0]["flow_run_id"] is None and runs[0]["summary"]["skipped"] == 3
+    assert runs[0]["summary"]["ledger"] == summary["ledger"]
+
+    # A changed input is work again: the flow runs and embeds only the new prompt.
+    write_csv(tmp_path / "in.csv", ["alpha", "beta", "alpha", "", "gamma.", "delta"])
+    assert main(args) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert (again["new_rows"], again["embedded"], again["skipped"]) == (6, 1, 3)
 
 
 def test_env_and_dotenv_settings_reach_the_run(shared_engine, tiny_model, tmp_path, monkeypatch, capsys):

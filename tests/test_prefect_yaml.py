@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,6 +63,8 @@ class Server:
             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             VLLM_LOGGING_LEVEL="WARNING",
             LAYERTAP_PARITY_SAMPLE="2",
+            # Deployment runs keep their engine warm: here, where the test can stop it (socket paths stay short).
+            LAYERTAP_ENGINE_DIR=tempfile.mkdtemp(prefix="lt-engines-", dir="/tmp"),
         )
         self.logs = home / "logs"
         self.logs.mkdir(parents=True)
@@ -98,6 +101,8 @@ class Server:
         return response.json()
 
     def stop(self) -> None:
+        from layertap.runner.warm_engine import stop_engines
+
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -107,6 +112,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        stop_engines(self.env["LAYERTAP_ENGINE_DIR"])
 
     def tail(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.logs.glob("*.log")))

@@ -361,10 +361,10 @@ def serve(directory: Path, key: str) -> int:
         while not served.stopping.is_set():
             try:
                 conn = listener.accept()
-            except OSError:
+            except Exception:  # noqa: BLE001 - a caller without the key, or one that left during the handshake
                 if served.stopping.is_set():
                     return
-                continue  # a caller without the key, or one that left during the handshake
+                continue
             with served.lock:
                 if served.stopping.is_set():
                     conn.close()

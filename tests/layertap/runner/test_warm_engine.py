@@ -1,0 +1,143 @@
+"""Warm engines: one engine process shared by successive and concurrent callers, never a wrong one,
+replaced when it dies, gone after its idle timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+from runner_fixtures import DTYPE, ON_GPU, STEP_TOKENS, varied_prompts
+from test_vllm_runner import assert_parity
+
+from layertap.errors import EngineError
+from layertap.runner import warm_engine
+from layertap.runner.engine_options import EngineOptions
+
+
+def options(model_dir: str, **more) -> EngineOptions:
+    """Small engines: on a GPU two of them share the device (one per set of options)."""
+    return EngineOptions(model=model_dir, dtype=DTYPE, max_num_batched_tokens=STEP_TOKENS,
+                         kv_cache_memory_bytes=64 * 2**20, gpu_memory_utilization=0.2 if ON_GPU else None, **more)
+
+
+def starts(directory: str) -> list[dict]:
+    path = os.path.join(directory, warm_engine.STARTS_LOG)
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def wait_until(condition, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return condition()
+
+
+@pytest.fixture(scope="module")
+def engine_dir():
+    directory = tempfile.mkdtemp(prefix="lt-engines-", dir="/tmp")  # socket paths must stay short
+    yield directory
+    warm_engine.stop_engines(directory)
+
+
+def test_callers_attached_at_once_share_one_engine_and_get_their_own_rows(engine_dir, model_dirs, references):
+    """Two callers (two runs) attached at the same time, each with batches from several threads: one engine
+    start, and every caller's rows are its own prompts' vectors."""
+    first = warm_engine.attach(options(model_dirs["llama"]), 600, engine_dir)
+    second = warm_engine.attach(options(model_dirs["llama"]), 600, engine_dir)
+    try:
+        assert first.pid == second.pid != os.getpid() and len(starts(engine_dir)) == 1
+        calls = [(first, 70, "last", [0, 2, 4]), (second, 71, "last", [0, 2, 4]), (first, 72, "mean", [1, 4]),
+                 (second, 73, "last", [4])]
+        results = {}
+
+        def one(engine, seed, pooling, layers):
+            results[seed] = engine.extract(varied_prompts(40, seed=seed), layers, pooling)
+
+        threads = [threading.Thread(target=one, args=call) for call in calls]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for _, seed, pooling, layers in calls:
+            assert sorted(results[seed].kept) == list(range(40))
+            assert_parity(results[seed], references("llama").extract(varied_prompts(40, seed=seed), layers, pooling),
+                          layers)
+            results[seed].release()
+        listed = warm_engine.list_engines(engine_dir)
+        assert [e["pid"] for e in listed] == [first.pid] and listed[0]["model"] == model_dirs["llama"]
+        assert listed[0]["host_rss_bytes"] > 0
+    finally:
+        first.close()
+        second.close()
+    # Detaching leaves the engine up for the next run, which starts nothing.
+    again = warm_engine.attach(options(model_dirs["llama"]), 600, engine_dir)
+    try:
+        assert again.pid == first.pid and len(starts(engine_dir)) == 1
+        ours = again.extract(["one more prompt"], [4], "last")
+        assert ours.kept == [0]
+        ours.release()
+    finally:
+        again.close()
+
+
+def test_other_engine_options_get_an_engine_of_their_own_which_frees_itself_when_idle(engine_dir, model_dirs):
+    before = len(starts(engine_dir))
+    shared = warm_engine.attach(options(model_dirs["llama"]), 600, engine_dir)
+    other = warm_engine.attach(options(model_dirs["llama"], max_num_seqs=8), 1.0, engine_dir)
+    try:
+        assert other.pid != shared.pid and len(starts(engine_dir)) == before + 1
+        assert other.info["options"]["max_num_seqs"] == 8 and shared.info["options"]["max_num_seqs"] is None
+        ours = other.extract(["idle soon"], [1], "last")
+        ours.release()
+        assert wait_until(lambda: len(warm_engine.list_engines(engine_dir)) == 2, 10)
+        time.sleep(2.0)
+        assert warm_engine.pid_alive(other.pid), "an engine with a run attached never idles out"
+    finally:
+        shared.close()
+        other.close()  # from here on it is idle: gone after one second
+    assert wait_until(lambda: not warm_engine.pid_alive(other.pid), 60)
+    assert [e["pid"] for e in warm_engine.list_engines(engine_dir)] == [shared.pid]
+    assert not os.path.exists(os.path.join(engine_dir, f"{other.key}.sock"))
+
+
+def test_an_engine_killed_between_or_during_runs_is_replaced_on_the_next_attach(engine_dir, model_dirs):
+    attached = warm_engine.attach(options(model_dirs["llama"]), 600, engine_dir)
+    before = len(starts(engine_dir))
+    os.kill(attached.pid, signal.SIGKILL)  # the engine dies under an attached run
+    with pytest.raises(EngineError):
+        attached.extract(varied_prompts(20, seed=5), [4], "last").release()
+    assert not attached.healthy()
+    attached.close()
+    fresh = warm_engine.attach(options(model_dirs["llama"]), 600, engine_dir)
+    try:
+        assert fresh.pid != attached.pid and len(starts(engine_dir)) == before + 1
+        ours = fresh.extract(varied_prompts(20, seed=5), [4], "last")
+        assert sorted(ours.kept) == list(range(20)) and np.isfinite(ours.vectors[4]).all()
+        ours.release()
+    finally:
+        fresh.close()
+
+
+def test_an_engine_that_serves_something_else_is_refused(engine_dir, model_dirs):
+    """What an engine says it serves is checked on every attach: a socket that leads to an engine of other
+    options (here a link planted where another key's engine would listen) is refused, and nothing starts."""
+    served = warm_engine.attach(options(model_dirs["llama"]), 600, engine_dir)
+    served.close()
+    wanted = options(model_dirs["llama"], max_num_seqs=4)
+    planted = os.path.join(engine_dir, f"{warm_engine.WarmSpec.for_options(wanted).key()}.sock")
+    os.symlink(os.path.join(engine_dir, f"{served.key}.sock"), planted)
+    before = len(starts(engine_dir))
+    try:
+        with pytest.raises(EngineError, match="refusing to use it"):
+            warm_engine.attach(wanted, 600, engine_dir)
+    finally:
+        os.unlink(planted)
+    assert len(starts(engine_dir)) == before
