@@ -106,7 +106,8 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
             truncate_to=truncation_length(settings.model, settings.truncate, settings.max_model_len),
         )
         eid, layer_list = key["extraction_id"], key["layers"]
-        batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size, sources)
+        batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size, sources,
+                       fill=settings.batches_in_flight)
         planned = sum(b["num_prompts"] for b in batches)
 
         embedded = refused = tokens = succeeded = extracted = done = 0

@@ -36,6 +36,8 @@ SCHEMA_VERSION = "2"
 UPGRADABLE_VERSIONS = ("1",)
 DB_NAME = "layertap.duckdb"
 LOCK_WAIT_S = 30.0
+# The smallest batch a small run's work is cut into to keep several batches in flight (`StoreDB.plan`).
+MIN_FILL_BATCH = 128
 
 # Columns of random hex hashes are stored uncompressed: compressing them saves half their size but makes
 # writing them about six times slower, and the store writes a million of them per million input rows.
@@ -715,12 +717,15 @@ class StoreDB:
 
     def plan(
         self, extraction_id: str, layers: list[int], rules_id: str, batch_size: int,
-        sources: list[str] | None = None,
+        sources: list[str] | None = None, fill: int = 1,
     ) -> list[WorkBatch]:
         """Batches of prompts lacking some requested layer, grouped by the set of layers they lack.
 
-        Batch ids hash the extraction, the layers and the prompt list, so planning the same work twice
-        gives the same batches (and the same Prefect cache keys).
+        Batches hold at most `batch_size` prompts. Work that would fill fewer than `fill` batches is cut into
+        `fill` smaller ones (of at least `MIN_FILL_BATCH` prompts), so a small run still keeps `fill` batches
+        in flight: one is written while the engine computes the next. Batch ids hash the extraction, the
+        layers and the prompt list, so planning the same work twice gives the same batches (and the same
+        Prefect cache keys).
         """
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
@@ -731,17 +736,21 @@ class StoreDB:
                 raise StoreError(f"extraction {extraction_id} was registered with other normalisation rules")
             con.begin()
             con.execute(
-                f"""CREATE TEMP TABLE plan AS
-                WITH {_TODO_CTES},
-                numbered AS (
-                    SELECT missing, prompt_hash,
-                           row_number() OVER (ORDER BY missing NULLS FIRST, prompt_hash) AS rn
-                    FROM todo),
-                starts AS (SELECT missing, min(rn) AS start FROM numbered GROUP BY missing)
+                f"""CREATE TEMP TABLE numbered AS
+                WITH {_TODO_CTES}
+                SELECT missing, prompt_hash, row_number() OVER (ORDER BY missing NULLS FIRST, prompt_hash) AS rn
+                FROM todo""",
+                params,
+            )
+            pending = _one(con, "SELECT count(*) FROM numbered")[0]
+            size = min(batch_size, max(MIN_FILL_BATCH, -(-pending // max(fill, 1))))
+            con.execute(
+                """CREATE TEMP TABLE plan AS
+                WITH starts AS (SELECT missing, min(rn) AS start FROM numbered GROUP BY missing)
                 SELECT n.missing, (rn - start) // $size AS chunk, CAST((rn - start) % $size AS INTEGER) AS ord,
                        prompt_hash
                 FROM numbered n JOIN starts s ON n.missing IS NOT DISTINCT FROM s.missing""",
-                {**params, "size": batch_size},
+                {"size": size},
             )
             con.execute(
                 """CREATE TEMP TABLE plan_batches AS
@@ -774,6 +783,14 @@ class StoreDB:
             con.commit()
         faults.hit("plan.committed")
         return [WorkBatch(bid, extraction_id, list(lay), digest, n) for bid, lay, digest, n in found]
+
+    def pending_prompts(
+        self, extraction_id: str, layers: list[int], rules_id: str, sources: list[str] | None = None
+    ) -> int:
+        """How many prompts `plan` would plan, without planning them."""
+        params = {"rules": rules_id, "eid": extraction_id, "layers": _sorted_layers(layers), "sources": _scope(sources)}
+        with self._connect() as con:
+            return _one(con, f"WITH {_TODO_CTES} SELECT count(*) FROM todo", params)[0]
 
     def batch_prompts(self, batch_id: str) -> tuple[list[str], list[str]]:
         """(prompt hashes, normalised texts) of a planned batch, in plan order."""

@@ -52,7 +52,7 @@ def finish_if_up_to_date(settings, dataset: str | None = None) -> dict | None:
         layers = resolve_layers(settings.layer_spec(), key.num_layers)
         if not db.has_extraction(key.extraction_id):
             return None
-        if db.plan(key.extraction_id, layers, rules.rules_id, settings.batch_size, sources):
+        if db.pending_prompts(key.extraction_id, layers, rules.rules_id, sources):
             return None
         ledger = check_store_complete(db, rules.rules_id, key.extraction_id, layers, sources)
         summary = run_summary(dataset=dataset, store=str(store_dir), model=model, extraction_id=key.extraction_id,

@@ -51,13 +51,13 @@ def register_extraction(
 @task(name="plan", cache_policy=NO_CACHE, result_serializer="json")
 def plan(
     store: str, extraction_id: str, layers: list[int], rules_id: str, batch_size: int,
-    sources: list[str] | None = None,
+    sources: list[str] | None = None, fill: int = 1,
 ) -> list[dict]:
-    """Batches of prompts (of `sources`' rows; all rows if None) lacking some requested layer; each batch's
-    prompt list stays in the store."""
+    """Batches of prompts (of `sources`' rows; all rows if None) lacking some requested layer, at least
+    `fill` of them when there is enough work (`StoreDB.plan`); each batch's prompt list stays in the store."""
     db = StoreDB(store)
     swept = db.sweep_staging()
-    batches = [asdict(b) for b in db.plan(extraction_id, list(layers), rules_id, batch_size, sources)]
+    batches = [asdict(b) for b in db.plan(extraction_id, list(layers), rules_id, batch_size, sources, fill)]
     get_run_logger().info(
         "plan: %d prompts to extract in %d batches%s",
         sum(b["num_prompts"] for b in batches),

@@ -7,11 +7,9 @@ then has to embed only the rows added afterwards, in its own process, and leave 
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,24 +20,12 @@ import duckdb
 import httpx
 import pytest
 
+from bench.incremental import free_port, write_csv  # the benchmark drives the same path
+
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 FIRST = [f"First batch row number {i}." for i in range(8)] + ["First batch row number 0.", ""]
 ADDED = ["A row added later.", "Another later row", "First batch row number 3.", "A row added later."]
-
-
-def write_csv(path: Path, texts: list[str]) -> str:
-    with path.open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["text"])
-        writer.writerows([t] for t in texts)
-    return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parts(store: Path) -> list[tuple]:

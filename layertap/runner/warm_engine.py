@@ -8,7 +8,7 @@ options, and use it as a `RunnerProcess`; several runs may be attached at once, 
 buffers.
 
 Each engine has a key, the hash of what it must agree with (model fingerprint, vLLM version, layertap's code,
-engine options), and four files in the engine directory (`LAYERTAP_ENGINE_DIR`, default
+visible devices, engine options), and four files in the engine directory (`LAYERTAP_ENGINE_DIR`, default
 `~/.cache/layertap/engines`): `<key>.sock` (where it listens, only once its engine is up), `<key>.json`
 (what it is, whom it serves, the memory it holds; rewritten every few seconds), `<key>.log` (its output)
 and `<key>.lock` (taken by a run while it attaches or starts one, so two runs never start the same engine
@@ -88,12 +88,14 @@ class WarmSpec:
     fingerprint: str
     vllm_version: str
     layertap_code: str
+    devices: str  # CUDA_VISIBLE_DEVICES: workers pinned to different GPUs never share an engine
 
     @classmethod
     def for_options(cls, options: EngineOptions) -> WarmSpec:
         from layertap.model_fingerprint import fingerprint_model
 
-        return cls(options, fingerprint_model(options.model), installed_version("vllm"), layertap_code())
+        return cls(options, fingerprint_model(options.model), installed_version("vllm"), layertap_code(),
+                   os.environ.get("CUDA_VISIBLE_DEVICES", ""))
 
     def as_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "options": dataclasses.asdict(self.options)}
@@ -160,7 +162,8 @@ def attach(options: EngineOptions, idle_timeout: float, directory: str | os.Path
             except EngineError:
                 conn.close()
                 continue
-            served = {name: info.get(name) for name in ("fingerprint", "vllm_version", "layertap_code", "options")}
+            served = {name: info.get(name) for name in ("fingerprint", "vllm_version", "layertap_code", "devices",
+                                                         "options")}
             wanted = {name: spec.as_json()[name] for name in served}
             if served != wanted:
                 conn.close()
@@ -333,8 +336,10 @@ def serve(directory: Path, key: str) -> int:
     spec = WarmSpec.from_json(spec_json)
     signal.signal(signal.SIGTERM, lambda *_: served.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: served.stopping.set())
-    if WarmSpec.for_options(spec.options) != spec:
-        raise EngineError(f"the model at {spec.options.model} changed before its engine started")
+    now = WarmSpec.for_options(spec.options).as_json()
+    changed = [name for name, value in spec.as_json().items() if now[name] != value]
+    if changed:  # the model's files or layertap's code changed since the run asked for this engine
+        raise EngineError(f"{', '.join(changed)} changed before the engine for {spec.options.model} started")
     runner = VllmRunner(spec.options)
     started_at = time.time()
     identity = {**engine_info(runner), **spec.as_json(), "key": key, "pid": os.getpid(), "model": spec.options.model,

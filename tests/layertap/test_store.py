@@ -200,6 +200,18 @@ def test_plan_batches_prompts_in_hash_order_with_stable_ids(db, inputs):
     assert db.plan(eid, [1, 0, 1], RULES.rules_id, 3) == batches  # same work, same batches
 
 
+@pytest.mark.parametrize(("prompts", "sizes"), [(1000, [250] * 4), (300, [128, 128, 44]), (100, [100]),
+                                                (5000, [1024] * 4 + [904])])
+def test_a_small_run_is_cut_into_enough_batches_to_keep_them_in_flight(db, tmp_path, prompts, sizes):
+    db.ingest([str(write_csv(tmp_path / "in.csv", [f"prompt {i}" for i in range(prompts)]))], "text")
+    db.normalise(RULES)
+    eid = db.register_extraction(KEY)
+    assert db.pending_prompts(eid, [0, 1], RULES.rules_id) == prompts
+    batches = db.plan(eid, [0, 1], RULES.rules_id, 1024, fill=4)
+    assert [b.num_prompts for b in batches] == sizes
+    assert db.plan(eid, [0, 1], RULES.rules_id, 1024, fill=4) == batches  # same work, same batches
+
+
 def test_nothing_is_planned_once_everything_is_published(db, inputs):
     eid, batches = ingest_and_plan(db, inputs)
     publish(db, eid, batches)

@@ -7,6 +7,7 @@ bfloat16 against transformers in bfloat16).
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -36,6 +37,15 @@ def varied_prompts(n: int, seed: int = 0, longest: int = 300) -> list[str]:
             words.append(rng.choice(WORDS))
         out.append(" ".join(words))
     return out
+
+
+def at_once(call, arguments: list[tuple]) -> None:
+    """`call(*args)` for each of `arguments`, each on a thread of its own, all started before any is joined."""
+    threads = [threading.Thread(target=call, args=args) for args in arguments]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from runner_fixtures import DTYPE, STEP_TOKENS, varied_prompts
+from runner_fixtures import DTYPE, STEP_TOKENS, at_once, varied_prompts
 from test_vllm_runner import assert_parity
 
 from layertap.errors import EngineError, OutOfDeviceMemory
@@ -48,11 +48,7 @@ def test_rows_map_to_their_prompts_across_concurrent_calls_poolings_and_layer_se
     def one(seed, pooling, layers):
         results[seed] = remote.extract(varied_prompts(50, seed=seed), layers, pooling)
 
-    threads = [threading.Thread(target=one, args=call) for call in calls]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    at_once(one, calls)
     for seed, pooling, layers in calls:
         ours = results[seed]
         assert sorted(ours.kept) == list(range(50)) and ours.buffer.startswith(("/dev/shm", "/tmp"))

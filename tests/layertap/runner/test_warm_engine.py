@@ -7,12 +7,11 @@ import json
 import os
 import signal
 import tempfile
-import threading
 import time
 
 import numpy as np
 import pytest
-from runner_fixtures import DTYPE, ON_GPU, STEP_TOKENS, varied_prompts
+from runner_fixtures import DTYPE, ON_GPU, STEP_TOKENS, at_once, varied_prompts
 from test_vllm_runner import assert_parity
 
 from layertap.errors import EngineError
@@ -61,11 +60,7 @@ def test_callers_attached_at_once_share_one_engine_and_get_their_own_rows(engine
         def one(engine, seed, pooling, layers):
             results[seed] = engine.extract(varied_prompts(40, seed=seed), layers, pooling)
 
-        threads = [threading.Thread(target=one, args=call) for call in calls]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        at_once(one, calls)
         for _, seed, pooling, layers in calls:
             assert sorted(results[seed].kept) == list(range(40))
             assert_parity(results[seed], references("llama").extract(varied_prompts(40, seed=seed), layers, pooling),
