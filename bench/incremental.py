@@ -229,6 +229,18 @@ class Setup:
                 return None
             time.sleep(0.5)
 
+    def event_occurred(self, event_id: str, timeout: float = 30) -> float | None:
+        """When the server says the event occurred (its own timestamp), once it has stored it."""
+        body = {"filter": {"id": {"id": [event_id]}, "occurred": {"since": "2000-01-01T00:00:00Z"}}, "limit": 1}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+                found = self.http.post("/events/filter", json=body).json()["events"]
+                if found:
+                    return parse_time(found[0]["occurred"])
+            time.sleep(0.5)
+        return None
+
     def triggered_run(self, name: str, csv_path: str, first_add_args: list[str], timeout: float) -> dict:
         """`layertap add` one file, then wait for the flow run its event triggers; the run's timings."""
         known = {r["id"] for r in self.flow_runs()}
@@ -271,11 +283,15 @@ class Setup:
         summary = recorded[0]["summary"]
         starts = self.engine_starts()
         published = t_done if t_done is not None else t_final_seen
+        occurred = self.event_occurred(added["event"])
         return {
             "file": csv_path,
             "add_s": round(t_added - t0, 3),
             "add_to_published_s": round(published - t0, 3),
-            "event_to_published_s": round(published - t_added, 3),
+            # From the event's own timestamp (when `layertap add` emitted it) to the run's "embed done".
+            "event_to_published_s": round(published - occurred, 3) if occurred is not None else None,
+            "event_s": since(occurred, t0),
+            "add_returned_to_published_s": round(published - t_added, 3),
             "published_from": "flow log" if t_done is not None else "prefect state seen (no flow log found)",
             "add_to_prefect_final_seen_s": round(t_final_seen - t0, 3),
             "flow_run": {
@@ -317,6 +333,8 @@ def machine_name() -> str:
 
 
 def git_commit() -> dict:
+    if os.environ.get("BENCH_COMMIT"):  # a copy of the tree whose .git is not the one that was measured
+        return {"commit": os.environ["BENCH_COMMIT"], "dirty": None}
     with contextlib.suppress(Exception):
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
@@ -418,7 +436,8 @@ def main() -> int:
 
     date = dt.date.today().isoformat()
     name = machine_name()
-    stamp = {"date": date, "machine": name, **git_commit()}
+    stamp = {"date": date, "machine": name, **git_commit(),
+             **({"note": os.environ["BENCH_NOTE"]} if os.environ.get("BENCH_NOTE") else {})}
     report = {**stamp, **report}
     if ok:
         runs = report["runs"]

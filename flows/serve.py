@@ -6,6 +6,7 @@ this reads it and hands the same definitions to `prefect.serve`.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -15,6 +16,7 @@ from prefect.flows import load_flow_from_entrypoint
 from prefect.schedules import Cron
 
 _KEYS = ("description", "tags", "parameters", "concurrency_limit")
+POLL_SECONDS = 0.25
 
 
 def deployments_from_prefect_file(prefect_file: str | Path) -> list:
@@ -42,5 +44,8 @@ def deployments_from_prefect_file(prefect_file: str | Path) -> list:
 
 
 def serve_from_prefect_file(prefect_file: str | Path) -> None:
-    """Register the deployments and run their flow runs here until interrupted."""
-    serve(*deployments_from_prefect_file(prefect_file))
+    """Register the deployments and run their flow runs here until interrupted. Scheduled runs are looked
+    for every quarter second (Prefect's default is 10 s; PREFECT_RUNNER_POLL_FREQUENCY still wins), so a
+    triggered run starts right after its event."""
+    poll = os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY")
+    serve(*deployments_from_prefect_file(prefect_file), query_seconds=float(poll) if poll else POLL_SECONDS)

@@ -498,8 +498,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from layertap.runner import warm_engine
     from layertap.settings import load_settings
 
-    # A triggered run starts within a second of its event rather than within Prefect's default 10 s poll.
-    os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "1")
     from flows.serve import serve_from_prefect_file
 
     settings = load_settings(env_file=_env_file(args))
