@@ -412,7 +412,6 @@ def cmd_add(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from layertap.registry import read_status
-
     from layertap.runner.warm_engine import list_engines
     from layertap.settings import load_settings
 
@@ -495,10 +494,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
+    from flows.serve import serve_from_prefect_file
     from layertap.runner import warm_engine
     from layertap.settings import load_settings
-
-    from flows.serve import serve_from_prefect_file
 
     settings = load_settings(env_file=_env_file(args))
     if args.start_engine:

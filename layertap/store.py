@@ -311,6 +311,11 @@ def _sorted_layers(layers: list[int]) -> list[int]:
     return out
 
 
+def _todo_params(rules_id: str, extraction_id: str, layers: list[int], sources: list[str] | None) -> dict:
+    """The parameters of `_TODO_CTES` (and `_LEDGER_SQL`, which builds on it)."""
+    return {"rules": rules_id, "eid": extraction_id, "layers": _sorted_layers(layers), "sources": _scope(sources)}
+
+
 def _scope(sources: list[str] | None) -> list[str] | None:
     """Input files a plan or ledger is limited to, as the store records them; None means all of them."""
     if sources is None:
@@ -730,7 +735,7 @@ class StoreDB:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         layers = _sorted_layers(layers)
-        params = {"rules": rules_id, "eid": extraction_id, "layers": layers, "sources": _scope(sources)}
+        params = _todo_params(rules_id, extraction_id, layers, sources)
         with self._connect() as con:
             if self._extraction_rules(con, extraction_id)[0] != rules_id:
                 raise StoreError(f"extraction {extraction_id} was registered with other normalisation rules")
@@ -788,9 +793,9 @@ class StoreDB:
         self, extraction_id: str, layers: list[int], rules_id: str, sources: list[str] | None = None
     ) -> int:
         """How many prompts `plan` would plan, without planning them."""
-        params = {"rules": rules_id, "eid": extraction_id, "layers": _sorted_layers(layers), "sources": _scope(sources)}
         with self._connect() as con:
-            return _one(con, f"WITH {_TODO_CTES} SELECT count(*) FROM todo", params)[0]
+            return _one(con, f"WITH {_TODO_CTES} SELECT count(*) FROM todo",
+                        _todo_params(rules_id, extraction_id, layers, sources))[0]
 
     def batch_prompts(self, batch_id: str) -> tuple[list[str], list[str]]:
         """(prompt hashes, normalised texts) of a planned batch, in plan order."""
@@ -911,8 +916,7 @@ class StoreDB:
         """Rows per status, plus rows per reason (rejections, quarantine errors, notes): {"rows", "embedded",
         "duplicate", "rejected", "pending", "quarantined", "reasons": {reason: n}}. The statuses add up to
         "rows". `sources` limits it to those input files."""
-        params = {"rules": rules_id, "eid": extraction_id, "layers": _sorted_layers(layers),
-                  "sources": _scope(sources)}
+        params = _todo_params(rules_id, extraction_id, layers, sources)
         with self._connect() as con:
             found = con.execute(
                 f"SELECT status, reason, count(*) FROM ({_LEDGER_SQL}) GROUP BY ALL", params
@@ -1053,5 +1057,5 @@ class Store:
             layers = _sorted_layers(layers or published or range(num_layers + 1))
             return con.sql(
                 f"{_LEDGER_SQL} ORDER BY j.source, j.row_number",
-                params={"rules": rules_id, "eid": eid, "layers": layers, "sources": None},
+                params=_todo_params(rules_id, eid, layers, None),
             ).to_arrow_table()
