@@ -136,13 +136,15 @@ class Setup:
     def run(self, name: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         out = subprocess.run(args, env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                              stdin=subprocess.DEVNULL)
-        (self.logs / f"{name}.log").write_text(f"$ {' '.join(args)}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}")
+        (self.logs / f"{name}.log").write_text(
+            f"$ {' '.join(args)}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}")
         if out.returncode != 0:
             raise Failed(f"{' '.join(args)} exited with {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         return out
 
     def tail(self, chars: int = 3000) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in sorted(self.logs.glob("*.log")))
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}"
+                         for p in sorted(self.logs.glob("*.log")))
 
     def check_alive(self) -> None:
         for name, proc in (("prefect server", self.server), ("layertap serve", self.serve)):
@@ -410,7 +412,8 @@ def main() -> int:
         code_before = warm_engine.layertap_code()
         runs = report["runs"] = {}
         runs["prepare"] = setup.triggered_run("prepare", files["done"], first_add, args.run_timeout)
-        log(f"prepare: {runs['prepare']['summary']['embedded']} embedded in {runs['prepare']['add_to_published_s']:.1f} s")
+        prepared = runs["prepare"]
+        log(f"prepare: {prepared['summary']['embedded']} embedded in {prepared['add_to_published_s']:.1f} s")
         report["engines_stopped_after_prepare"] = warm_engine.stop_engines(setup.engine_dir)
         if warm_engine.list_engines(setup.engine_dir):
             raise Failed("a warm engine is still up after stopping them")

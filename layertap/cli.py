@@ -72,7 +72,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-idle-timeout", metavar="SECONDS",
                    help="seconds a warm engine stays up with no run attached (default: 600)")
     p.add_argument("--engine-dir", metavar="DIR",
-                   help="where warm engines keep their sockets and status (default: ~/.cache/layertap/engines)")
+                   help="where warm engines keep their sockets and status (default: ~/.cache/layertap/engines/<host>)")
     p.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None,
                    help="cut prompts longer than the model's context instead of rejecting them")
     p.add_argument("--lock-timeout", metavar="SECONDS",
@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--store", metavar="DIR", help="store folder (default: ./layertap-store)")
     status.add_argument("--runs", metavar="N", type=int, default=5, help="how many recent runs to show (default: 5)")
     status.add_argument("--engine-dir", metavar="DIR",
-                        help="where warm engines live (default: LAYERTAP_ENGINE_DIR, then ~/.cache/layertap/engines)")
+                        help="where warm engines live "
+                             "(default: LAYERTAP_ENGINE_DIR, then ~/.cache/layertap/engines/<host>)")
     status.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.set_defaults(func=cmd_status)

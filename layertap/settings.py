@@ -78,7 +78,7 @@ class Settings(BaseSettings):
     warm_engine: bool | None = None
     # Seconds a warm engine stays up with no run attached before it exits and frees the device.
     engine_idle_timeout: float = Field(600.0, ge=0)
-    # Where warm engines keep their sockets and status files (default: ~/.cache/layertap/engines).
+    # Where warm engines keep their sockets and status files (default: ~/.cache/layertap/engines/<host>).
     engine_dir: str | None = None
     # "dummy" starts the engine with random weights of the model's shape: for speed runs only.
     load_format: Literal["auto", "dummy"] | None = None

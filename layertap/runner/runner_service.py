@@ -69,7 +69,8 @@ def answer_calls(conn, runner, workers: Executor, on_call=None, extra_calls: dic
 
         return hf_reference(runner.options.model, texts, layers, pooling, trust_remote_code)
 
-    calls = {"extract": extract, "reserve": reserve, "reference": reference, "healthy": lambda call_id: runner.healthy(),
+    calls = {"extract": extract, "reserve": reserve, "reference": reference,
+             "healthy": lambda call_id: runner.healthy(),
              "mapped": lambda call_id: runner.mapped_host_buffers(),
              "activity": lambda call_id: dataclasses.asdict(runner.activity()), **(extra_calls or {})}
 

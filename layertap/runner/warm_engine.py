@@ -9,7 +9,7 @@ buffers.
 
 Each engine has a key, the hash of what it must agree with (model fingerprint, vLLM version, layertap's code,
 visible devices, engine options), and four files in the engine directory (`LAYERTAP_ENGINE_DIR`, default
-`~/.cache/layertap/engines`): `<key>.sock` (where it listens, only once its engine is up), `<key>.json`
+`~/.cache/layertap/engines/<host>`): `<key>.sock` (where it listens, only once its engine is up), `<key>.json`
 (what it is, whom it serves, the memory it holds; rewritten every few seconds), `<key>.log` (its output)
 and `<key>.lock` (taken by a run while it attaches or starts one, so two runs never start the same engine
 twice). `engine-starts.log` gets a line per engine started. The engine exits after `idle_timeout` seconds
@@ -28,6 +28,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -47,6 +48,7 @@ from layertap.runner.runner_process import stop_group
 log = logging.getLogger(__name__)
 
 ENGINE_DIR_ENV = "LAYERTAP_ENGINE_DIR"
+ENGINE_MODULE = "layertap.runner.warm_engine"  # how an engine process is started, and told from others
 STARTS_LOG = "engine-starts.log"
 START_TIMEOUT_S = 1800.0  # a cold compile of a large model takes minutes; a dead start is seen at once
 STOP_TIMEOUT_S = 60.0
@@ -55,8 +57,10 @@ _SOCKET_PATH_MAX = 100  # Unix socket paths are limited to 107 bytes
 
 
 def engine_dir(path: str | os.PathLike | None = None) -> Path:
-    """The directory warm engines live in, created private to the user."""
-    chosen = Path(path or os.environ.get(ENGINE_DIR_ENV) or Path.home() / ".cache" / "layertap" / "engines")
+    """The directory warm engines live in, created private to the user (by default one per host, so a home
+    directory shared between machines never mixes their engines)."""
+    default = Path.home() / ".cache" / "layertap" / "engines" / socket.gethostname()
+    chosen = Path(path or os.environ.get(ENGINE_DIR_ENV) or default)
     chosen = chosen.expanduser().resolve()
     chosen.mkdir(parents=True, exist_ok=True, mode=0o700)
     return chosen
@@ -118,10 +122,10 @@ class WarmEngine(RunnerClient):
         super().__init__(conn, info)
 
     def _peer_alive(self) -> bool:
-        return pid_alive(self.pid)
+        return engine_alive(self.pid)
 
     def _peer_lost(self) -> str:
-        if not pid_alive(self.pid):
+        if not engine_alive(self.pid):
             stop_group(self.pid)  # an engine core it left behind would keep the device's memory
             _forget(self._directory, self.key)
         return f"the warm engine {self.key} (pid {self.pid}) went away"
@@ -186,7 +190,7 @@ def list_engines(directory: str | os.PathLike | None = None) -> list[dict[str, A
             continue  # being rewritten, or not an engine's
         if not isinstance(status, dict) or "pid" not in status:
             continue
-        if pid_alive(status["pid"]):
+        if engine_alive(status["pid"]):
             found.append(status)
         else:
             _forget(directory, path.stem)
@@ -208,33 +212,31 @@ def stop_engines(directory: str | os.PathLike | None = None, idle_only: bool = F
 
 def stop(pid: int, timeout: float = STOP_TIMEOUT_S) -> None:
     """Ask an engine to shut down (SIGTERM), then stop it and its engine core by force."""
+    if not engine_alive(pid):
+        return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while pid_alive(pid) and time.monotonic() < deadline:
+    while engine_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     stop_group(pid)
 
 
-def pid_alive(pid: int | None) -> bool:
-    """Whether a process runs (a zombie does not; one of ours is reaped)."""
+def engine_alive(pid: int | None) -> bool:
+    """Whether `pid` is a running warm engine: a zombie is not (one of ours is reaped), nor a process that
+    got the pid of an engine long gone."""
     if not pid:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    if state in ("Z", "X"):
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, os.WNOHANG)
+        if state in ("Z", "X"):
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+            return False
+        return ENGINE_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, IndexError):  # gone, or another user's process: not one of this user's engines
         return False
-    return True
 
 
 @contextlib.contextmanager
@@ -282,7 +284,7 @@ def _start(directory: Path, key: str, spec: WarmSpec, idle_timeout: float) -> No
     log_path = directory / f"{key}.log"
     with log_path.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "layertap.runner.warm_engine", str(directory), key],
+            [sys.executable, "-m", ENGINE_MODULE, str(directory), key],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
         )
     log.info("starting a warm engine %s for %s (pid %d)", key, spec.options.model, process.pid)

@@ -154,7 +154,7 @@ def test_a_warm_engine_that_dies_during_a_run_is_replaced_and_the_run_succeeds(
         [engine] = warm_engine.list_engines(engines)
         second = embed_flow(input=files[:2], **run)
         assert second["embedded"] == 30 and not second["quarantined"]
-        assert not warm_engine.pid_alive(engine["pid"])
+        assert not warm_engine.engine_alive(engine["pid"])
         assert len(open(os.path.join(engines, warm_engine.STARTS_LOG)).readlines()) == 2
         assert len(vectors(store, 4)) == 60 and second["ledger"]["pending"] == 0
     finally:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -94,11 +96,11 @@ def test_other_engine_options_get_an_engine_of_their_own_which_frees_itself_when
         ours.release()
         assert wait_until(lambda: len(warm_engine.list_engines(engine_dir)) == 2, 10)
         time.sleep(2.0)
-        assert warm_engine.pid_alive(other.pid), "an engine with a run attached never idles out"
+        assert warm_engine.engine_alive(other.pid), "an engine with a run attached never idles out"
     finally:
         shared.close()
         other.close()  # from here on it is idle: gone after one second
-    assert wait_until(lambda: not warm_engine.pid_alive(other.pid), 60)
+    assert wait_until(lambda: not warm_engine.engine_alive(other.pid), 60)
     assert [e["pid"] for e in warm_engine.list_engines(engine_dir)] == [shared.pid]
     assert not os.path.exists(os.path.join(engine_dir, f"{other.key}.sock"))
 
@@ -136,3 +138,22 @@ def test_an_engine_that_serves_something_else_is_refused(engine_dir, model_dirs)
     finally:
         os.unlink(planted)
     assert len(starts(engine_dir)) == before
+
+
+def test_a_process_that_took_a_dead_engines_pid_is_never_signalled():
+    """An engine's status file outlives a crash; should its pid now belong to another process, the file is
+    forgotten and that process is left alone."""
+    directory = tempfile.mkdtemp(prefix="lt-engines-", dir="/tmp")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        status = os.path.join(directory, "0123456789abcdef.json")
+        with open(status, "w") as handle:
+            json.dump({"key": "0123456789abcdef", "pid": other.pid, "clients": 0}, handle)
+        assert not warm_engine.engine_alive(other.pid) and not warm_engine.engine_alive(os.getpid())
+        assert warm_engine.list_engines(directory) == [] and not os.path.exists(status)
+        warm_engine.stop(other.pid, timeout=1)
+        assert warm_engine.stop_engines(directory) == 0
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
