@@ -450,12 +450,21 @@ def _careful_rows(path: str, text_column: str) -> pa.Table:
     return read_json_lines(path, text_column)
 
 
+def part_path(root: Path, relpath: str) -> Path:
+    """Where a part named in the manifest lies: always under the store's `parts/`, whatever the manifest
+    says (an edited or corrupted manifest never makes layertap read or write elsewhere)."""
+    path = (root / relpath).resolve()
+    if not path.is_relative_to((root / "parts").resolve()):
+        raise StoreError(f"{root}: the manifest names {relpath!r}, which is not inside the store's parts/")
+    return path
+
+
 def _check_files(root: Path, files: list[tuple[str, str, list[str]]]) -> None:
     """A batch's files each exist in the store and list prompts, no prompt twice across them."""
     for part_id, relpath, hashes in files:
         if not hashes:
             raise StoreError(f"part {part_id}: prompt hashes must be non-empty and distinct")
-        if not (root / relpath).is_file():
+        if not part_path(root, relpath).is_file():
             raise StoreError(f"part {part_id}: {relpath} is not a file in the store")
     every_hash = [h for _, _, hashes in files for h in hashes]
     if len(set(every_hash)) != len(every_hash):
@@ -1039,7 +1048,8 @@ class Store:
             paths = [row[0] for row in found]
             if not paths:
                 raise StoreError(f"{self.root}: layer {layer} has no results for extraction {eid}")
-            hashes, embedding = read_layer_sorted([str(self.root / path) for path in paths], layer_column(layer))
+            hashes, embedding = read_layer_sorted([str(part_path(self.root, path)) for path in paths],
+                                                  layer_column(layer))
             con.register("wanted", pa.table({"prompt_hash": hashes}))
             texts = con.sql("SELECT prompt_hash, text FROM prompts SEMI JOIN wanted USING (prompt_hash)")
             texts = texts.to_arrow_table()

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from layertap import validate as checks
-from layertap.errors import ValidationError
-from layertap.errors import StoreError
-from layertap.store import DB_NAME, _connect
+from layertap.errors import StoreError, ValidationError
+from layertap.store import DB_NAME, _connect, part_path
 
 
 @dataclass
@@ -41,11 +40,16 @@ def check_store(store_dir: str | os.PathLike) -> StoreReport:
     report = StoreReport(store=str(root))
     for part_id, path, layers, hidden_size, hashes in found:
         report.parts += 1
-        if not (root / path).is_file():
+        try:
+            located = part_path(root, path)
+        except StoreError as exc:
+            report.problems.append(f"part {part_id}: {exc}")
+            continue
+        if not located.is_file():
             report.problems.append(f"part {part_id}: {path} is missing")
             continue
         try:
-            checks.check_part(str(root / path), list(hashes), list(layers), hidden_size)
+            checks.check_part(str(located), list(hashes), list(layers), hidden_size)
         except ValidationError as exc:
             report.problems.append(f"part {part_id}: {exc}")
             continue

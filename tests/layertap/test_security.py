@@ -88,3 +88,26 @@ def test_user_given_column_names_and_paths_stay_data(tmp_path):
     assert texts == ["from csv", "from jsonl", "from parquet"]
     assert sources == {ODD_COLUMN}
     assert Store(folder / "store").store_uuid == db.store_uuid
+
+
+def test_paths_in_the_manifest_never_lead_outside_the_store(tmp_path):
+    """A manifest edited to name a file outside the store (here a real Parquet file beside it) is refused by
+    readers and reported by `layertap validate`, never read."""
+    from layertap.errors import StoreError
+    from layertap.store import Store
+    from layertap.store_check import check_store
+
+    store = tmp_path / "store"
+    out = subprocess.run([sys.executable, str(CHILD), str(store), "1"], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert Store(store).embeddings(layer=0).num_rows == 50 and check_store(store).ok
+    with duckdb.connect(str(store / "layertap.duckdb")) as con:
+        part_id, path = con.execute("SELECT part_id, path FROM parts ORDER BY part_id LIMIT 1").fetchone()
+        outside = tmp_path / "outside.parquet"
+        outside.write_bytes((store / path).read_bytes())
+        con.execute("UPDATE parts SET path = ? WHERE part_id = ?", ["../outside.parquet", part_id])
+    with pytest.raises(StoreError, match="'../outside.parquet', which is not inside the store's parts/"):
+        Store(store).embeddings(layer=0)
+    report = check_store(store)
+    assert not report.ok and any("not inside the store's parts/" in p for p in report.problems)
