@@ -129,9 +129,15 @@ class Registry:
         return [self.get(name) for name in self.names()]
 
     def start_run(self, dataset: str | None, flow_run_id: str | None) -> str:
-        """Record a run as started, so one that dies still shows up in the history."""
+        """Record a run as started, so one that dies still shows up in the history. Called by a run that holds
+        the store's lock: a run still recorded as running lost that lock, so its process died (the kernel
+        drops the lock with it), and it is marked crashed first."""
         run_id = uuid.uuid4().hex[:12]
         with self.db._connect() as con:
+            con.execute(
+                "UPDATE runs SET status = 'crashed', summary = ? WHERE status = 'running'",
+                [json.dumps({"error": "its process died before the run ended (found by the next run)"})],
+            )
             con.execute(
                 "INSERT INTO runs VALUES (?, ?, ?, 'running', now(), NULL, '{}')", [run_id, dataset, flow_run_id]
             )

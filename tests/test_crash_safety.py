@@ -21,6 +21,7 @@ from pathlib import Path
 import duckdb
 
 from layertap.normalise import NormaliseRules, prompt_hash
+from layertap.registry import read_status
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = 2000
@@ -114,6 +115,10 @@ def test_sigkill_at_twenty_points_loses_nothing(tmp_path, tiny_model):
     normalised = [rules.apply(t) for t in all_texts]
     prompts = {prompt_hash(t) for t in normalised if t}
     empty = sum(not t for t in normalised)
+
+    # Every killed run that had recorded itself is marked crashed; none is left running.
+    statuses = [run["status"] for run in read_status(store, last_runs=100)["runs"]]
+    assert "running" not in statuses and "crashed" in statuses and statuses[0] == "completed"
 
     counts = json.loads(final.stdout)["ledger"]
     assert counts["rows"] == ROWS

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import duckdb
 import pytest
 
 from layertap.errors import InputError, StoreError
 from layertap.registry import Registry, check_name, read_status
 from layertap.store import DB_NAME, SCHEMA_VERSION, Store, StoreDB
+from layertap.store_lock import store_lock
 
 OPTIONS = {"model": "/models/m", "layers": "0,-1", "pooling": "last", "dtype": "float32", "remove_period": False}
 
@@ -65,6 +70,25 @@ def test_runs_are_recorded_and_reported(tmp_path):
     ]
     StoreDB(tmp_path / "store").ingest([a], "text")
     assert read_status(tmp_path / "store")["datasets"][0]["rows"] == 2
+
+
+def test_a_run_whose_process_died_is_marked_crashed_by_the_next_run(tmp_path):
+    """The dead run held the store's lock and recorded itself as running; the kernel dropped its lock when it
+    was killed, and the next run to take the lock marks it crashed."""
+    store = tmp_path / "store"
+    Registry(store)
+    code = ("import os, signal, sys\n"
+            "from layertap.registry import Registry\nfrom layertap.store_lock import store_lock\n"
+            "with store_lock(sys.argv[1]):\n    Registry(sys.argv[1]).start_run('reviews', None)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)")
+    out = subprocess.run([sys.executable, "-c", code, str(store)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    assert [r["status"] for r in read_status(store)["runs"]] == ["running"]
+    with store_lock(store):
+        Registry(store).start_run("reviews", None)
+    runs = read_status(store)["runs"]
+    assert sorted(r["status"] for r in runs) == ["crashed", "running"]
+    assert "process died" in next(r for r in runs if r["status"] == "crashed")["summary"]["error"]
 
 
 def test_a_version_1_store_is_readable_and_upgraded_by_a_writer(tmp_path):
