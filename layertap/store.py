@@ -1036,7 +1036,9 @@ class Store:
     ) -> pa.Table:
         """prompt_hash, text, embedding for one layer (negative counts from the end), sorted by prompt_hash.
 
-        Reads only the prompt_hash and layer_{L} column chunks of each part, never other layers' bytes.
+        Reads only the prompt_hash and layer_{L} column chunks of each part, never other layers' bytes. The
+        database is not held open while the vectors are read, so a long read never keeps a run from
+        publishing (published parts are never changed, so what was listed stays readable).
         """
         with self._connect() as con:
             eid, num_layers, _, _ = self._pick(con, model, pooling, dtype, rules_id)
@@ -1045,11 +1047,11 @@ class Store:
                 "SELECT path FROM parts WHERE extraction_id = ? AND list_contains(layers, ?) ORDER BY part_id",
                 [eid, layer],
             ).fetchall()
-            paths = [row[0] for row in found]
-            if not paths:
-                raise StoreError(f"{self.root}: layer {layer} has no results for extraction {eid}")
-            hashes, embedding = read_layer_sorted([str(part_path(self.root, path)) for path in paths],
-                                                  layer_column(layer))
+        paths = [part_path(self.root, row[0]) for row in found]
+        if not paths:
+            raise StoreError(f"{self.root}: layer {layer} has no results for extraction {eid}")
+        hashes, embedding = read_layer_sorted([str(path) for path in paths], layer_column(layer))
+        with self._connect() as con:
             con.register("wanted", pa.table({"prompt_hash": hashes}))
             texts = con.sql("SELECT prompt_hash, text FROM prompts SEMI JOIN wanted USING (prompt_hash)")
             texts = texts.to_arrow_table()

@@ -460,6 +460,28 @@ def test_store_embeddings_returns_vectors_texts_sorted(db, inputs):
         store.embeddings(layer=1)
 
 
+def test_reading_vectors_never_holds_the_database(db, inputs, monkeypatch):
+    """While a reader reads a layer's vectors, another process can open the store for writing (as a run does
+    to publish), so a long read never makes a publish wait or fail."""
+    import layertap.store as store_module
+
+    eid, batches = ingest_and_plan(db, inputs, layers=(0, 3), batch_size=3)
+    publish(db, eid, batches)
+    opened = []
+    read = store_module.read_layer_sorted
+    code = "import duckdb, sys; duckdb.connect(sys.argv[1]).execute('CHECKPOINT').close(); print('written')"
+
+    def reading(*args):
+        out = subprocess.run([sys.executable, "-c", code, str(db.db_path)], capture_output=True, text=True,
+                             timeout=60)
+        opened.append(out.stdout.strip() or out.stderr.strip().splitlines()[-1])
+        return read(*args)
+
+    monkeypatch.setattr(store_module, "read_layer_sorted", reading)
+    assert Store(db.root).embeddings(layer=3).num_rows == 7
+    assert opened == ["written"]
+
+
 def test_store_picks_one_extraction(db, inputs):
     eid, batches = ingest_and_plan(db, inputs)
     publish(db, eid, batches)
