@@ -241,6 +241,10 @@ class WorkBatch:
     num_prompts: int
 
 
+def _quote_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
 def _quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -1057,6 +1061,38 @@ class Store:
             texts = texts.to_arrow_table()
         text = texts["text"].take(pc.index_in(hashes, value_set=texts["prompt_hash"]))
         return pa.table({"prompt_hash": hashes, "text": text, "embedding": embedding})
+
+    def sql(
+        self, query: str, *, model: str | None = None, pooling: str | None = None, dtype: str | None = None,
+        rules_id: str | None = None,
+    ) -> pa.Table:
+        """Run DuckDB SQL over the published results of one extraction, e.g.
+        `Store(path).sql("SELECT prompt_hash, layer_4 FROM vectors")`.
+
+        Two views: `vectors` (prompt_hash, then a `layer_<L>` column per layer with results: one row per
+        prompt, NULL where that prompt lacks the layer) over the published Parquet files only, never files a
+        run has written but not published; and `prompts` (prompt_hash, text) of those prompts. The query runs
+        in a connection of its own, after the store's database is closed again.
+        """
+        with self._connect() as con:
+            eid, _, _, layers = self._pick(con, model, pooling, dtype, rules_id)
+            paths = [str(part_path(self.root, row[0])) for row in con.execute(
+                "SELECT path FROM parts WHERE extraction_id = ? ORDER BY part_id", [eid]).fetchall()]
+            texts = con.sql("""SELECT t.prompt_hash, t.text FROM prompts t
+                               WHERE t.prompt_hash IN (SELECT pp.prompt_hash FROM part_prompts pp
+                                                       JOIN parts p USING (part_id) WHERE p.extraction_id = $eid)""",
+                            params={"eid": eid}).to_arrow_table()
+        if not paths:
+            raise StoreError(f"{self.root}: extraction {eid} has no published results")
+        with duckdb.connect() as con:
+            con.execute("SET enable_progress_bar = false")
+            columns = ", ".join(f"any_value({name}) AS {name}" for name in map(_quote_ident, map(layer_column, layers)))
+            files = ", ".join(_quote_literal(path) for path in paths)  # a view takes no parameters
+            con.execute(f"""CREATE VIEW vectors AS
+                            SELECT prompt_hash, {columns} FROM read_parquet([{files}], union_by_name = true)
+                            GROUP BY prompt_hash""")
+            con.register("prompts", texts)
+            return con.sql(query).to_arrow_table()
 
     def ledger(
         self, layers: list[int] | None = None, *, model: str | None = None, pooling: str | None = None,

@@ -482,6 +482,23 @@ def test_reading_vectors_never_holds_the_database(db, inputs, monkeypatch):
     assert opened == ["written"]
 
 
+def test_sql_over_published_results_only(db, inputs):
+    """One line of DuckDB SQL over the published vectors and their texts; a file written into parts/ but never
+    published is not part of it."""
+    eid, batches = ingest_and_plan(db, inputs, layers=(0, 3), batch_size=3)
+    publish(db, eid, batches[:2])
+    stray = db.root / "parts" / eid / "not-published.parquet"
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_bytes(next((db.root / "parts").rglob("*.parquet")).read_bytes())
+    store = Store(db.root)
+    found = store.sql("SELECT v.prompt_hash, p.text, v.layer_3 FROM vectors v JOIN prompts p USING (prompt_hash) "
+                      "ORDER BY prompt_hash")
+    assert found.num_rows == 6 and found.column_names == ["prompt_hash", "text", "layer_3"]
+    expected = store.embeddings(layer=3)
+    assert found.to_pydict() == dict(zip(found.column_names, expected.to_pydict().values()))
+    assert store.sql("SELECT count(*) AS n FROM vectors WHERE layer_0 IS NOT NULL")["n"].to_pylist() == [6]
+
+
 def test_store_picks_one_extraction(db, inputs):
     eid, batches = ingest_and_plan(db, inputs)
     publish(db, eid, batches)
