@@ -20,7 +20,8 @@ from prefect.utilities.annotations import quote
 
 from layertap import engine_cache, faults
 from layertap import progress as run_progress
-from layertap.errors import EngineError
+from layertap.disk_space import check_room
+from layertap.errors import EngineError, StoreUnwritable
 from layertap.preflight import check_run
 from layertap.registry import Registry
 from layertap.report import run_summary
@@ -28,6 +29,7 @@ from layertap.settings import Settings
 from layertap.store import StoreDB
 from layertap.store_lock import store_lock
 from layertap.truncation import truncation_length
+from layertap.writer import stored_value_bytes
 from tasks import (
     extract_batch,
     ingest,
@@ -109,6 +111,9 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
         batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size, sources,
                        fill=settings.batches_in_flight)
         planned = sum(b["num_prompts"] for b in batches)
+        if batches:  # refused before any engine work when the output cannot fit
+            check_room(store_dir, sum(b["num_prompts"] * len(b["layers"]) for b in batches), key["hidden_size"],
+                       stored_value_bytes(settings.dtype))
 
         embedded = refused = tokens = succeeded = extracted = done = 0
         quarantined = []
@@ -136,6 +141,8 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
             nonlocal extracted, done
             try:
                 part = _extracted(future, store_dir, key["store_uuid"], batch, settings)
+            except StoreUnwritable:
+                raise  # the store's disk, not the batch: every later batch would fail the same way
             except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
                 error = " ".join(f"{type(exc).__name__}: {exc}".split())
                 quarantined.append(quarantine_batch(store_dir, batch, error))

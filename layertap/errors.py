@@ -9,6 +9,10 @@ class StoreError(LayertapError):
     """The store is missing, locked, or was made by another version."""
 
 
+class StoreUnwritable(StoreError):
+    """The store cannot take the run's output (its disk is full, or it is read-only): retrying cannot help."""
+
+
 class InputError(LayertapError):
     """An input file, column or setting is unusable."""
 

@@ -9,6 +9,7 @@ is one environment lookup. When set, it holds a comma list of `<point>:<action>`
     oom>K       raise `torch.OutOfMemoryError` whenever the batch holds more than K prompts
     die@N       the N-th time, close the engine under the caller and raise `EngineError` (a dead engine)
     poison=S    raise `InjectedFault` whenever a prompt of the batch contains S
+    oserror=E   raise `OSError` with errno E (a name, e.g. ENOSPC) every time (a full or read-only disk)
 
 Counters live in this process, so a child process started with the variable counts from zero.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 ENV = "LAYERTAP_FAULTS"
 
-_SPEC = re.compile(r"^(?P<point>[\w.-]+):(?P<action>kill@|error\*?|oom>|die@|poison=)(?P<arg>.*)$")
+_SPEC = re.compile(r"^(?P<point>[\w.-]+):(?P<action>kill@|error\*?|oom>|die@|poison=|oserror=)(?P<arg>.*)$")
 _lock = threading.Lock()
 _counts: dict[tuple[str, str], int] = {}
 
@@ -38,7 +39,8 @@ def _parse(value: str) -> list[tuple[str, str, str]]:
     for item in filter(None, (part.strip() for part in value.split(","))):
         match = _SPEC.match(item)
         if match is None:
-            raise ValueError(f"{ENV}: cannot read {item!r} (expected <point>:kill@N|error*N|oom>K|die@N|poison=S)")
+            raise ValueError(
+                f"{ENV}: cannot read {item!r} (expected <point>:kill@N|error*N|oom>K|die@N|poison=S|oserror=E)")
         faults.append((match["point"], match["action"], match["arg"]))
     return faults
 
@@ -69,6 +71,11 @@ def hit(point: str, texts: Sequence[str] | None = None, engine: Any = None) -> N
                 raise InjectedFault(f"injected failure at {point}: a prompt contains {arg!r}")
             continue
         n = _count(point, action + arg)
+        if action == "oserror=":
+            import errno
+
+            code = getattr(errno, arg)
+            raise OSError(code, os.strerror(code), f"injected at {point}")
         if action == "kill@" and n == int(arg):
             os.kill(os.getpid(), signal.SIGKILL)
         elif action.startswith("error") and (not arg or n <= int(arg)):

@@ -49,6 +49,11 @@ def part_id_for(extraction_id: str, layers: list[int], prompt_digest: str) -> st
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
+def stored_value_bytes(dtype: str) -> int:
+    """Bytes one value of an engine of `dtype` takes in the store (before compression)."""
+    return np.dtype(_STORAGE[dtype]).itemsize
+
+
 def layer_column(layer: int) -> str:
     return f"layer_{layer}"
 

@@ -14,7 +14,8 @@ from prefect.tasks import exponential_backoff
 from layertap import faults
 from layertap import validate as checks
 from layertap.engine_cache import discard_if_dead, get_runner
-from layertap.errors import ValidationError
+from layertap.disk_space import as_unwritable
+from layertap.errors import StoreUnwritable, ValidationError
 from layertap.settings import Settings
 from layertap.split_on_oom import extract_splitting
 from layertap.store import StoreDB
@@ -57,10 +58,22 @@ def _renewed(settings: Settings):
     return get_runner(settings)
 
 
+def heals_on_retry(task, task_run, state) -> bool:
+    """Retry any failure but the store's disk being full or read-only, which no retry can mend."""
+    try:
+        state.result()
+    except StoreUnwritable:
+        return False
+    except BaseException:  # noqa: BLE001 - any other failure may be the engine's, which a retry can mend
+        return True
+    return True
+
+
 @task(
     name="extract-batch",
     retries=2,
     retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retry_condition_fn=heals_on_retry,
     cache_key_fn=batch_cache_key,
     result_serializer="json",
 )
@@ -104,6 +117,8 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         try:
             files = write_batch_files(store, batch["extraction_id"], part_id, kept, result.vectors, settings.dtype,
                                       max_file_bytes=int(settings.part_file_mb * 1e6))
+        except OSError as exc:
+            raise as_unwritable(exc, store) or exc from exc
         finally:
             wait([checked])  # the check is done with the vectors before their buffer is handed back
             result.release()

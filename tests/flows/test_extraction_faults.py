@@ -121,3 +121,37 @@ def test_a_run_whose_batches_all_fail_stops(run, monkeypatch):
     monkeypatch.setenv(faults.ENV, "extract:error")
     with pytest.raises(EngineError, match="the first 3 batches all failed"):
         run(batch_size=3)
+
+
+def test_a_full_disk_stops_the_run_at_once_with_one_line(run, tmp_path, monkeypatch):
+    """No space left while a part is written: not retried, nothing quarantined, one line naming the cause;
+    the next run, with room again, embeds everything."""
+    from layertap.errors import StoreUnwritable
+    from layertap.registry import read_status
+
+    monkeypatch.setenv(faults.ENV, "write.row-group:oserror=ENOSPC")
+    with pytest.raises(StoreUnwritable, match=r"store .*store: No space left on device .*free space or make it"):
+        run(batch_size=12)
+    assert faults._counts == {("write.row-group", "oserror=ENOSPC"): 1}  # the batch was not retried
+    assert read_status(tmp_path / "store")["runs"][0]["status"] == "failed"
+    assert not [s for s, _ in statuses(tmp_path / "store") if s == "quarantined"]
+    monkeypatch.delenv(faults.ENV)
+    summary, _ = run(batch_size=12)
+    assert summary["embedded"] == len(TEXTS) and not summary["quarantined"]
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_numbers(run, tmp_path, monkeypatch):
+    """Before extracting, the run's output (prompts x layers x width x bytes) is checked against free space."""
+    from collections import namedtuple
+
+    from layertap import disk_space
+    from layertap.errors import StoreUnwritable
+
+    requests = engine_cache.runner_requests()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(disk_space.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 4000, 4000))
+    # 12 prompts x 2 layers x 128 values x 4 bytes = 12,288 bytes > 4,000 free
+    with pytest.raises(StoreUnwritable, match=r"0\.00 GB free, but this run writes up to 0\.00 GB \(24 vectors "
+                                              r"\(prompt x layer\) x 128 values x 4 bytes\)"):
+        run()
+    assert engine_cache.runner_requests() == requests  # no batch asked for the engine
