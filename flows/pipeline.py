@@ -25,7 +25,7 @@ from layertap.errors import EngineError, StoreUnwritable
 from layertap.preflight import check_run
 from layertap.registry import Registry
 from layertap.report import run_summary
-from layertap.settings import Settings
+from layertap.settings import DEPLOYMENT_LOCK_WAIT_S, Settings
 from layertap.store import StoreDB
 from layertap.store_lock import store_lock
 from layertap.truncation import truncation_length
@@ -84,8 +84,14 @@ def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
     store_dir = str(settings.store_path())
     if not settings.model:
         logger.info("no model given: using the tiny demo model in %s", settings.demo_model_dir())
-    warm = settings.warm_engine if settings.warm_engine is not None else deployment.id is not None
-    settings = settings.model_copy(update={"model": resolve_model(settings), "store": store_dir, "warm_engine": warm})
+    # A deployment run keeps its engine warm for the next one, and waits its turn on a store another run holds.
+    deployed = deployment.id is not None
+    settings = settings.model_copy(update={
+        "model": resolve_model(settings), "store": store_dir,
+        "warm_engine": deployed if settings.warm_engine is None else settings.warm_engine,
+        "lock_timeout": (DEPLOYMENT_LOCK_WAIT_S if deployed else 0.0) if settings.lock_timeout is None
+        else settings.lock_timeout,
+    })
     with store_lock(store_dir, settings.lock_timeout):  # one writing run per store; readers never wait on it
         return _run_locked(settings, store_dir, dataset, started, logger)
 

@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "LAYERTAP_"
+DEPLOYMENT_LOCK_WAIT_S = 6 * 3600.0
 
 _LAYERS_RE = re.compile(r"^-?\d+(,-?\d+)*$")
 
@@ -58,8 +59,9 @@ class Settings(BaseSettings):
     parity_sample: int = Field(8, ge=0)
     # Prompts longer than the model's context are rejected unless the user asks to cut them to fit.
     truncate: bool = False
-    # Seconds a run waits for another run holding the store's lock; 0 fails at once, naming the holder.
-    lock_timeout: float = Field(0.0, ge=0)
+    # Seconds a run waits for another run holding the store's lock; 0 fails at once, naming the holder. None:
+    # 0 on the command line; DEPLOYMENT_LOCK_WAIT_S for deployment runs, which wait their turn on a shared store.
+    lock_timeout: float | None = Field(None, ge=0)
 
     # Engine options, passed through to the runner.
     max_num_batched_tokens: int | None = Field(None, ge=1)
@@ -110,6 +112,7 @@ class Settings(BaseSettings):
 
     @field_validator(
         "model",
+        "lock_timeout",
         "engine_dir",
         "warm_engine",
         "max_num_batched_tokens",

@@ -39,7 +39,7 @@ def finish_if_up_to_date(settings, dataset: str | None = None) -> dict | None:
     model = built_model(settings)
     if model is None or not (store_dir / DB_NAME).is_file():
         return None
-    with store_lock(store_dir, settings.lock_timeout):
+    with store_lock(store_dir, settings.lock_timeout or 0.0):
         db = StoreDB(store_dir)
         if db.changed_sources(settings.input, settings.text_column):
             return None

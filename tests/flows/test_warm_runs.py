@@ -15,6 +15,7 @@ import pytest
 from test_prefect_yaml import PREFECT, Server, write_csv
 
 from layertap.runner import warm_engine
+from layertap.store_lock import store_lock
 
 BATCHES = [
     [f"Warm run one, row {i}." for i in range(30)] + ["", "Warm run one, row 3."],
@@ -119,6 +120,19 @@ def test_triggered_runs_share_a_warm_engine(served, tmp_path, tiny_model, shared
     assert third["state"]["type"] == "COMPLETED", served.tail()
     assert starts(served) == 2
     assert len(vectors(store, 4)) == 80
+
+    # A triggered run waits its turn while another run holds the store, then runs.
+    with store_lock(store):
+        add(served, store, write_csv(tmp_path / "later.csv", ["A row that waited for the lock."]))
+        deadline = time.monotonic() + 120
+        while not [r for r in served.post("/flow_runs/filter", {}) if r["state"]["type"] == "RUNNING"]:
+            assert time.monotonic() < deadline, served.tail()
+            time.sleep(0.5)
+        time.sleep(3)
+        assert len(finished_runs(served, 3)) == 3, "the run did not wait for the store's lock"
+    fourth = finished_runs(served, 4)[-1]
+    assert fourth["state"]["type"] == "COMPLETED", served.tail()
+    assert len(vectors(store, 4)) == 81
 
     # A cold run starts (here: attaches to) its engine while it still reads its inputs, not after planning.
     calls = []
