@@ -8,6 +8,7 @@ at the rows of its own input files, so datasets sharing a store never pull in ea
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED
@@ -15,6 +16,7 @@ from concurrent.futures import wait as wait_first
 from pathlib import Path
 
 from prefect import get_run_logger
+from prefect.logging.handlers import APILogHandler
 from prefect.runtime import deployment, flow_run
 from prefect.utilities.annotations import quote
 
@@ -76,10 +78,21 @@ def _engine_use(before, after) -> dict:
     return {"engine_busy_seconds": round(used.stepping_s, 3), "engine_idle_seconds": round(used.idle_s, 3)}
 
 
+def library_logs_to_prefect() -> None:
+    """layertap's own log records (out-of-memory splits, engines that stopped answering) reach the run's logs
+    in the Prefect UI: the library's logger gets the API handler Prefect gives the loggers named in
+    PREFECT_LOGGING_EXTRA_LOGGERS (the console already shows them, through the root logger)."""
+    library = logging.getLogger("layertap")
+    for handler in logging.getLogger("prefect.extra").handlers:
+        if isinstance(handler, APILogHandler) and handler not in library.handlers:
+            library.addHandler(handler)
+
+
 def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
     """Embed the rows of `settings.input`; returns the run summary (also recorded in the store)."""
     started = time.perf_counter()
     logger = get_run_logger()
+    library_logs_to_prefect()
     check_run(settings)  # nothing is written before inputs, model, layers and store check out
     store_dir = str(settings.store_path())
     if not settings.model:

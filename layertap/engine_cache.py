@@ -11,6 +11,7 @@ notebook) can `pin()` the registry so engines survive between flows.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from layertap.runner.engine_options import EngineOptions, vllm_is_cpu_build
 if TYPE_CHECKING:
     from layertap.settings import Settings
 
+log = logging.getLogger(__name__)
 _lock = threading.RLock()
 _runners: dict[tuple, Any] = {}
 _start_locks: dict[tuple, threading.Lock] = {}
@@ -146,6 +148,7 @@ def discard_if_dead(settings: Settings, runner) -> bool:
     probe = getattr(runner, "healthy", None)
     if probe is not None and probe():
         return False
+    log.warning("the engine no longer answers: the next attempt starts a fresh one")
     return discard_runner(settings, only=runner)
 
 

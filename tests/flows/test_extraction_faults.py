@@ -47,6 +47,17 @@ def extract_run_counts(flow_run_id) -> list[int]:
     return sorted(r.run_count for r in runs if r.name.startswith("extract-batch"))
 
 
+def run_logs(flow_run_id) -> list[str]:
+    """The flow run's log messages as the Prefect UI shows them (written by Prefect's API log handler)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)
+    with get_client(sync_client=True) as client:
+        return [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
+
+
 def statuses(store) -> list[tuple[str, str | None]]:
     from layertap import Store
 
@@ -72,6 +83,7 @@ def test_out_of_memory_splits_the_batch(run, tmp_path, monkeypatch, caplog):
     assert summary["embedded"] == len(TEXTS) and not summary["quarantined"]
     assert extract_run_counts(flow_run_id) == [1, 1, 1]  # split inside the attempt, not retried
     assert sum("out of memory on 4 prompts: retrying as 2 + 2" in m for m in caplog.messages) == 3
+    assert sum("out of memory on 4 prompts: retrying as 2 + 2" in m for m in run_logs(flow_run_id)) == 3
     from layertap import Store
 
     assert Store(tmp_path / "store").embeddings(layer=-1).num_rows == len(TEXTS)
