@@ -389,6 +389,8 @@ def _row_source_sql(con: duckdb.DuckDBPyConnection, path: str, text_column: str)
     (rejected as null text). JSON numbers, booleans, arrays and objects, and Parquet columns that do not
     hold text, are rejected as `not text: <type>` rather than embedded as their printed form.
     """
+    if os.path.getsize(path) == 0:
+        raise InputError(f"{path}: the file is empty (not even a header or one record)")
     kind = _READERS[Path(path).suffix.lower()]
     params: dict = {"path": path}
     if kind == "csv":

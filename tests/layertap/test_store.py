@@ -136,6 +136,8 @@ def test_unchanged_source_is_skipped_and_changed_source_replaced(db, tmp_path):
         ("in.jsonl", '{"body": "x"}\n', "text", "no column 'text'"),
         ("in.parquet", "not parquet", "text", "cannot read as parquet"),
         ("in.xlsx", "x", "text", "unsupported file type"),
+        ("in.csv", "", "text", "the file is empty"),
+        ("in.jsonl", "", "text", "the file is empty"),
     ],
 )
 def test_input_errors_are_one_line_naming_file_and_column(db, tmp_path, name, content, column, message):
