@@ -8,9 +8,11 @@ at the rows of its own input files, so datasets sharing a store never pull in ea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_first
 from pathlib import Path
@@ -78,21 +80,27 @@ def _engine_use(before, after) -> dict:
     return {"engine_busy_seconds": round(used.stepping_s, 3), "engine_idle_seconds": round(used.idle_s, 3)}
 
 
-def library_logs_to_prefect() -> None:
-    """layertap's own log records (out-of-memory splits, engines that stopped answering) reach the run's logs
-    in the Prefect UI: the library's logger gets the API handler Prefect gives the loggers named in
-    PREFECT_LOGGING_EXTRA_LOGGERS (the console already shows them, through the root logger)."""
+@contextlib.contextmanager
+def library_logs_to_prefect() -> Iterator[None]:
+    """While the run lasts, layertap's own log records (out-of-memory splits, engines that stopped answering)
+    reach its logs in the Prefect UI: the library's logger gets the API handler Prefect gives the loggers
+    named in PREFECT_LOGGING_EXTRA_LOGGERS (the console already shows them, through the root logger)."""
     library = logging.getLogger("layertap")
-    for handler in logging.getLogger("prefect.extra").handlers:
-        if isinstance(handler, APILogHandler) and handler not in library.handlers:
-            library.addHandler(handler)
+    added = [handler for handler in logging.getLogger("prefect.extra").handlers
+             if isinstance(handler, APILogHandler) and handler not in library.handlers]
+    for handler in added:
+        library.addHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in added:  # outside a run Prefect would warn that a record has no run to go to
+            library.removeHandler(handler)
 
 
 def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
     """Embed the rows of `settings.input`; returns the run summary (also recorded in the store)."""
     started = time.perf_counter()
     logger = get_run_logger()
-    library_logs_to_prefect()
     check_run(settings)  # nothing is written before inputs, model, layers and store check out
     store_dir = str(settings.store_path())
     if not settings.model:
@@ -105,7 +113,8 @@ def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
         "lock_timeout": (DEPLOYMENT_LOCK_WAIT_S if deployed else 0.0) if settings.lock_timeout is None
         else settings.lock_timeout,
     })
-    with store_lock(store_dir, settings.lock_timeout):  # one writing run per store; readers never wait on it
+    # One writing run per store; readers never wait on it.
+    with library_logs_to_prefect(), store_lock(store_dir, settings.lock_timeout):
         return _run_locked(settings, store_dir, dataset, started, logger)
 
 
