@@ -134,6 +134,7 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
             store_dir, settings.model, settings.pooling, settings.dtype, settings.remove_period,
             settings.layer_spec(),
             truncate_to=truncation_length(settings.model, settings.truncate, settings.max_model_len),
+            store_dtype=settings.store_dtype,
         )
         eid, layer_list = key["extraction_id"], key["layers"]
         batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size, sources,
@@ -141,7 +142,7 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
         planned = sum(b["num_prompts"] for b in batches)
         if batches:  # refused before any engine work when the output cannot fit
             check_room(store_dir, sum(b["num_prompts"] * len(b["layers"]) for b in batches), key["hidden_size"],
-                       stored_value_bytes(settings.dtype))
+                       stored_value_bytes(key["stored_dtype"]))
 
         embedded = refused = tokens = succeeded = extracted = done = 0
         quarantined = []

@@ -43,7 +43,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="Hugging Face model folder (default: the tiny demo model)")
     p.add_argument("--layers", metavar="all|LIST", help="'all' or indices like 0,4,-1 (default: all)")
     p.add_argument("--pooling", metavar="last|mean", help="pool the last token or the mean (default: last)")
-    p.add_argument("--dtype", metavar="float32|float16|bfloat16", help="engine and stored dtype (default: float32)")
+    p.add_argument("--dtype", metavar="float32|float16|bfloat16", help="engine dtype (default: float32)")
+    p.add_argument("--store-dtype", metavar="float32|float16",
+                   help="stored dtype: float16 halves the bytes (default: float32; float16 for a float16 engine)")
     p.add_argument("--text-column", metavar="COL", help="column holding the text (default: text)")
     p.add_argument(
         "--remove-period", action=argparse.BooleanOptionalAction, default=None,
@@ -134,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--layers", metavar="all|LIST", help="layers for this dataset (default: all)")
     add.add_argument("--pooling", metavar="last|mean", help="pooling for this dataset (default: last)")
     add.add_argument("--dtype", metavar="float32|float16|bfloat16", help="dtype for this dataset (default: float32)")
+    add.add_argument("--store-dtype", metavar="float32|float16",
+                     help="stored dtype for this dataset (default: float32; float16 for a float16 engine)")
     add.add_argument("--remove-period", action=argparse.BooleanOptionalAction, default=None,
                      help="also strip trailing periods when normalising")
     add.add_argument("--event", action=argparse.BooleanOptionalAction, default=True,
@@ -166,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--output", metavar="DIR", required=True, help="folder to write into (created if missing)")
     export.add_argument("--model", metavar="DIR|FINGERPRINT", help="pick the extraction when the store holds several")
     export.add_argument("--pooling", metavar="last|mean", help="pick the extraction by pooling")
-    export.add_argument("--dtype", metavar="DTYPE", help="pick the extraction by dtype")
+    export.add_argument("--dtype", metavar="DTYPE", help="pick the extraction by engine dtype")
+    export.add_argument("--store-dtype", metavar="float32|float16", help="pick the extraction by stored dtype")
     export.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
     export.set_defaults(func=cmd_export)
 
@@ -208,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _SETTING_ARGS = (
-    "input", "text_column", "model", "layers", "pooling", "dtype", "store", "remove_period", "batch_size",
+    "input", "text_column", "model", "layers", "pooling", "dtype", "store_dtype", "store", "remove_period",
+    "batch_size",
     "parity_sample", "batches_in_flight", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
     "tensor_parallel_size", "enforce_eager", "engine_process", "runner_process", "trust_remote_code", "truncate",
     "lock_timeout", "warm_engine", "engine_idle_timeout", "engine_dir",
@@ -291,7 +297,7 @@ def _progress_bar(args: argparse.Namespace):
 
 
 # Settings a dataset fixes when it is created; `run --dataset` may not change them.
-_DATASET_FIXED = ("input", "text_column", "model", "layers", "pooling", "dtype", "remove_period")
+_DATASET_FIXED = ("input", "text_column", "model", "layers", "pooling", "dtype", "store_dtype", "remove_period")
 
 
 def _dataset_options(args: argparse.Namespace) -> dict:
@@ -474,7 +480,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         except ValueError:
             raise InputError(f"--layer {args.layer!r}: expected 'all' or layer indices like 4 or 0,-1") from None
     written = export_layers(_store_dir(args), args.output, layers, args.format,
-                            model=args.model, pooling=args.pooling, dtype=args.dtype)
+                            model=args.model, pooling=args.pooling, dtype=args.dtype, store_dtype=args.store_dtype)
     for path in written:
         print(path)
     return EXIT_OK

@@ -35,12 +35,13 @@ def export_layers(
     model: str | None = None,
     pooling: str | None = None,
     dtype: str | None = None,
+    store_dtype: str | None = None,
 ) -> list[Path]:
     """Write the requested layers; returns the files written (data files first, then their indexes)."""
     if fmt not in FORMATS:
         raise InputError(f"export format {fmt!r}: use one of {', '.join(FORMATS)}")
     store = Store(store_dir)
-    picked = {"model": model, "pooling": pooling, "dtype": dtype}
+    picked = {"model": model, "pooling": pooling, "dtype": dtype, "store_dtype": store_dtype}
     if layers == "all":
         layers = store.layers(**picked)
         if not layers:

@@ -21,7 +21,7 @@ from layertap.store import DB_NAME, StoreDB, _connect, _one, check_inputs
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 # The settings that decide a dataset's vectors; fixed when the dataset is first added.
-EXTRACTION_OPTIONS = ("model", "layers", "pooling", "dtype", "remove_period")
+EXTRACTION_OPTIONS = ("model", "layers", "pooling", "dtype", "store_dtype", "remove_period")
 
 
 @dataclass(frozen=True)

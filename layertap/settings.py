@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     layers: str = "all"
     pooling: Literal["last", "mean"] = "last"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # How vectors are stored: float32 holds every float32, float16 and bfloat16 value exactly; float16 takes
+    # half the bytes and holds a bfloat16 value exactly when it lies inside float16's range (a batch with one
+    # outside fails its checks). None: float16 for a float16 engine, float32 otherwise.
+    store_dtype: Literal["float32", "float16"] | None = None
     remove_period: bool = False
 
     # Where results live.
@@ -112,6 +116,7 @@ class Settings(BaseSettings):
 
     @field_validator(
         "model",
+        "store_dtype",
         "lock_timeout",
         "engine_dir",
         "warm_engine",
@@ -171,12 +176,21 @@ class Settings(BaseSettings):
         }
         return {k: v for k, v in opts.items() if v is not None}
 
+    def stored_dtype(self) -> str:
+        """The dtype vectors are stored in (`store_dtype`, or the engine dtype's default)."""
+        return stored_dtype_for(self.dtype, self.store_dtype)
+
     def store_path(self) -> Path:
         return Path(self.store).expanduser().resolve()
 
     def demo_model_dir(self) -> Path:
         """Where the embedded tiny model is built when no model is given: next to the store, not inside it."""
         return self.store_path().parent / ".layertap" / "tiny-model"
+
+
+def stored_dtype_for(dtype: str, store_dtype: str | None = None) -> str:
+    """The stored dtype of an engine of `dtype`: as asked, else float16 for float16 values, float32 otherwise."""
+    return store_dtype or ("float16" if dtype == "float16" else "float32")
 
 
 def settings_error_line(exc: ValidationError) -> str:

@@ -26,14 +26,15 @@ from layertap import faults
 from layertap.errors import InputError, StoreError
 from layertap.file_modes import drop_world_write, make_dirs
 from layertap.model_fingerprint import fingerprint_model, read_model_info
+from layertap.settings import stored_dtype_for
 from layertap.normalise import REJECT_EMPTY, REJECT_NUL, REJECT_NULL, NormaliseRules
 from layertap.sorted_layer import read_layer_sorted
 from layertap.writer import layer_column
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
 # Version 1 lacked the dataset registry, the run history, input-level rejects, truncation, notes and the
 # quarantine; opening it for writing adds them (readers ask for that first).
-UPGRADABLE_VERSIONS = ("1",)
+UPGRADABLE_VERSIONS = ("1", "2")
 DB_NAME = "layertap.duckdb"
 LOCK_WAIT_S = 30.0
 # The smallest batch a small run's work is cut into to keep several batches in flight (`StoreDB.plan`).
@@ -76,7 +77,7 @@ CREATE TABLE IF NOT EXISTS extractions (
     extraction_id VARCHAR PRIMARY KEY, model_fingerprint VARCHAR NOT NULL, model_path VARCHAR NOT NULL,
     pooling VARCHAR NOT NULL, dtype VARCHAR NOT NULL, rules_id VARCHAR NOT NULL,
     hidden_size INTEGER NOT NULL, num_layers INTEGER NOT NULL, created_at TIMESTAMPTZ NOT NULL,
-    truncate_to INTEGER);
+    truncate_to INTEGER, stored_dtype VARCHAR NOT NULL);
 CREATE TABLE IF NOT EXISTS prompt_rejects (
     extraction_id VARCHAR NOT NULL, prompt_hash VARCHAR NOT NULL, reason VARCHAR NOT NULL);
 CREATE TABLE IF NOT EXISTS batches (
@@ -191,6 +192,12 @@ class ExtractionKey:
     hidden_size: int
     num_layers: int
     truncate_to: int | None = None
+    # The dtype the vectors are stored in; None: the engine dtype's default (`stored_dtype_for`).
+    store_dtype: str | None = None
+
+    @property
+    def stored_dtype(self) -> str:
+        return stored_dtype_for(self.dtype, self.store_dtype)
 
     @property
     def extraction_id(self) -> str:
@@ -198,18 +205,21 @@ class ExtractionKey:
                   "rules_id": self.rules_id}
         if self.truncate_to is not None:  # only then: ids of extractions without truncation stay as they were
             fields["truncate_to"] = self.truncate_to
+        if self.stored_dtype != stored_dtype_for(self.dtype):  # likewise for the default stored dtype
+            fields["stored_dtype"] = self.stored_dtype
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     @classmethod
     def for_model(
-        cls, model_dir: str, pooling: str, dtype: str, rules_id: str, truncate_to: int | None = None
+        cls, model_dir: str, pooling: str, dtype: str, rules_id: str, truncate_to: int | None = None,
+        store_dtype: str | None = None,
     ) -> ExtractionKey:
         """The key of a model folder, read from its files (no engine needed)."""
         info = read_model_info(model_dir)
         return cls(model_fingerprint=fingerprint_model(model_dir), model_path=model_dir, pooling=pooling,
                    dtype=dtype, rules_id=rules_id, hidden_size=info.hidden_size, num_layers=info.num_layers,
-                   truncate_to=truncate_to)
+                   truncate_to=truncate_to, store_dtype=store_dtype)
 
 
 @dataclass(frozen=True)
@@ -304,6 +314,10 @@ def _upgrade(con: duckdb.DuckDBPyConnection, db_path: Path) -> None:
     con.execute("ALTER TABLE rows ADD COLUMN IF NOT EXISTS input_reject VARCHAR")
     con.execute("ALTER TABLE extractions ADD COLUMN IF NOT EXISTS truncate_to INTEGER")
     con.execute(_ADDED_IN_2)
+    # Version 3: the dtype each extraction's vectors are stored in (until then, the engine dtype's default).
+    con.execute("ALTER TABLE extractions ADD COLUMN IF NOT EXISTS stored_dtype VARCHAR")
+    con.execute("UPDATE extractions SET stored_dtype = CASE WHEN dtype = 'float16' THEN 'float16' ELSE 'float32' END "
+                "WHERE stored_dtype IS NULL")
     con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [SCHEMA_VERSION])
     con.commit()
 
@@ -713,9 +727,9 @@ class StoreDB:
             known = _one(con, "SELECT hidden_size, num_layers FROM extractions WHERE extraction_id = ?", [eid])
             if known is None:
                 con.execute(
-                    "INSERT INTO extractions VALUES (?, ?, ?, ?, ?, ?, ?, ?, now(), ?)",
+                    "INSERT INTO extractions VALUES (?, ?, ?, ?, ?, ?, ?, ?, now(), ?, ?)",
                     [eid, key.model_fingerprint, key.model_path, key.pooling, key.dtype, key.rules_id,
-                     key.hidden_size, key.num_layers, key.truncate_to],
+                     key.hidden_size, key.num_layers, key.truncate_to, key.stored_dtype],
                 )
                 faults.hit("register.committed")
             elif known != (key.hidden_size, key.num_layers):
@@ -966,8 +980,8 @@ class StoreDB:
 class Store:
     """Read-only view of a store: embeddings per layer, the ledger, and what has been extracted.
 
-    Keyword filters (model = path or fingerprint, pooling, dtype, rules_id) pick one extraction when the
-    store holds several.
+    Keyword filters (model = path or fingerprint, pooling, dtype, rules_id, store_dtype) pick one extraction
+    when the store holds several.
     """
 
     def __init__(self, store_dir: str | os.PathLike) -> None:
@@ -986,8 +1000,8 @@ class Store:
         """One row per extraction key, with the layers that have published results."""
         with self._connect() as con:
             return con.sql(
-                """SELECT e.extraction_id, e.model_path, e.model_fingerprint, e.pooling, e.dtype, e.rules_id,
-                       e.hidden_size, e.num_layers,
+                """SELECT e.extraction_id, e.model_path, e.model_fingerprint, e.pooling, e.dtype, e.stored_dtype,
+                       e.rules_id, e.hidden_size, e.num_layers,
                        list_sort(list_distinct(flatten(list(p.layers) FILTER (p.layers IS NOT NULL)))) AS layers,
                        e.created_at
                 FROM extractions e LEFT JOIN parts p USING (extraction_id)
@@ -996,49 +1010,51 @@ class Store:
 
     def _pick(
         self, con: duckdb.DuckDBPyConnection, model: str | None, pooling: str | None, dtype: str | None,
-        rules_id: str | None,
+        rules_id: str | None, store_dtype: str | None = None,
     ) -> tuple[str, int, str, list[int]]:
         """(extraction_id, num_layers, rules_id, layers with results) of the one matching extraction."""
         found = con.execute(
             """SELECT e.extraction_id, e.num_layers, e.rules_id,
                       list_sort(list_distinct(flatten(list(p.layers) FILTER (p.layers IS NOT NULL)))),
-                      e.model_path, e.pooling, e.dtype
+                      e.model_path, e.pooling, e.dtype, e.stored_dtype
             FROM extractions e LEFT JOIN parts p USING (extraction_id)
             WHERE ($model IS NULL OR e.model_fingerprint = $model OR e.model_path IN ($model, $model_abs))
               AND ($pooling IS NULL OR e.pooling = $pooling) AND ($dtype IS NULL OR e.dtype = $dtype)
-              AND ($rules IS NULL OR e.rules_id = $rules)
+              AND ($rules IS NULL OR e.rules_id = $rules) AND ($stored IS NULL OR e.stored_dtype = $stored)
             GROUP BY ALL""",
             {"model": model, "model_abs": os.path.abspath(model) if model else None,
-             "pooling": pooling, "dtype": dtype, "rules": rules_id},
+             "pooling": pooling, "dtype": dtype, "rules": rules_id, "stored": store_dtype},
         ).fetchall()
         if not found:
             raise StoreError(f"{self.root}: no extraction matches")
         if len(found) > 1:
-            listed = "; ".join(f"model={m} pooling={p} dtype={d} rules_id={r}" for _, _, r, _, m, p, d in found)
-            raise StoreError(f"{self.root}: several extractions match ({listed}); pass model/pooling/dtype/rules_id")
+            listed = "; ".join(f"model={m} pooling={p} dtype={d} store_dtype={sd} rules_id={r}"
+                               for _, _, r, _, m, p, d, sd in found)
+            raise StoreError(
+                f"{self.root}: several extractions match ({listed}); pass model/pooling/dtype/store_dtype/rules_id")
         eid, num_layers, rules_id, layers = found[0][:4]
         return eid, num_layers, rules_id, list(layers or [])
 
     def layers(
         self, *, model: str | None = None, pooling: str | None = None, dtype: str | None = None,
-        rules_id: str | None = None,
+        rules_id: str | None = None, store_dtype: str | None = None,
     ) -> list[int]:
         """Layers with at least one published result."""
         with self._connect() as con:
-            return self._pick(con, model, pooling, dtype, rules_id)[3]
+            return self._pick(con, model, pooling, dtype, rules_id, store_dtype)[3]
 
     def resolve_layer(
         self, layer: int, *, model: str | None = None, pooling: str | None = None, dtype: str | None = None,
-        rules_id: str | None = None,
+        rules_id: str | None = None, store_dtype: str | None = None,
     ) -> int:
         """The 0..N index of `layer` (negative counts from the end) in the chosen extraction's model."""
         with self._connect() as con:
-            num_layers = self._pick(con, model, pooling, dtype, rules_id)[1]
+            num_layers = self._pick(con, model, pooling, dtype, rules_id, store_dtype)[1]
         return layer + num_layers + 1 if layer < 0 else layer
 
     def embeddings(
         self, layer: int, *, model: str | None = None, pooling: str | None = None, dtype: str | None = None,
-        rules_id: str | None = None,
+        rules_id: str | None = None, store_dtype: str | None = None,
     ) -> pa.Table:
         """prompt_hash, text, embedding for one layer (negative counts from the end), sorted by prompt_hash.
 
@@ -1047,7 +1063,7 @@ class Store:
         publishing (published parts are never changed, so what was listed stays readable).
         """
         with self._connect() as con:
-            eid, num_layers, _, _ = self._pick(con, model, pooling, dtype, rules_id)
+            eid, num_layers, _, _ = self._pick(con, model, pooling, dtype, rules_id, store_dtype)
             layer = layer + num_layers + 1 if layer < 0 else layer
             found = con.execute(
                 "SELECT path FROM parts WHERE extraction_id = ? AND list_contains(layers, ?) ORDER BY part_id",
@@ -1066,7 +1082,7 @@ class Store:
 
     def sql(
         self, query: str, *, model: str | None = None, pooling: str | None = None, dtype: str | None = None,
-        rules_id: str | None = None,
+        rules_id: str | None = None, store_dtype: str | None = None,
     ) -> pa.Table:
         """Run DuckDB SQL over the published results of one extraction, e.g.
         `Store(path).sql("SELECT prompt_hash, layer_4 FROM vectors")`.
@@ -1077,7 +1093,7 @@ class Store:
         in a connection of its own, after the store's database is closed again.
         """
         with self._connect() as con:
-            eid, _, _, layers = self._pick(con, model, pooling, dtype, rules_id)
+            eid, _, _, layers = self._pick(con, model, pooling, dtype, rules_id, store_dtype)
             paths = [str(part_path(self.root, row[0])) for row in con.execute(
                 "SELECT path FROM parts WHERE extraction_id = ? ORDER BY part_id", [eid]).fetchall()]
             texts = con.sql("""SELECT t.prompt_hash, t.text FROM prompts t
@@ -1098,12 +1114,12 @@ class Store:
 
     def ledger(
         self, layers: list[int] | None = None, *, model: str | None = None, pooling: str | None = None,
-        dtype: str | None = None, rules_id: str | None = None,
+        dtype: str | None = None, rules_id: str | None = None, store_dtype: str | None = None,
     ) -> pa.Table:
         """One row per input row: source, row_number, status (embedded|duplicate|rejected|pending), reason,
         prompt_hash. `layers` defaults to every layer with results (every layer if none has any yet)."""
         with self._connect() as con:
-            eid, num_layers, rules_id, published = self._pick(con, model, pooling, dtype, rules_id)
+            eid, num_layers, rules_id, published = self._pick(con, model, pooling, dtype, rules_id, store_dtype)
             layers = _sorted_layers(layers or published or range(num_layers + 1))
             return con.sql(
                 f"{_LEDGER_SQL} ORDER BY j.source, j.row_number",

@@ -48,7 +48,8 @@ def finish_if_up_to_date(settings, dataset: str | None = None) -> dict | None:
         if db.rows_to_normalise(rules, sources):
             return None
         key = ExtractionKey.for_model(model, settings.pooling, settings.dtype, rules.rules_id,
-                                      truncation_length(model, settings.truncate, settings.max_model_len))
+                                      truncation_length(model, settings.truncate, settings.max_model_len),
+                                      settings.store_dtype)
         layers = resolve_layers(settings.layer_spec(), key.num_layers)
         if not db.has_extraction(key.extraction_id):
             return None

@@ -20,6 +20,10 @@ from layertap.writer import layer_column
 # Layers of one host buffer are checked a block at a time, each block's scratch (magnitudes) at most this big.
 CHECK_BLOCK_BYTES = 32_000_000
 # Minimum cosine between layertap's vectors and transformers' for the same prompt and layer.
+# float16's largest finite value, and the largest bfloat16 (as its bit pattern, sign cleared) not above it:
+# 65280; the next bfloat16, 65536, would be stored as inf.
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+BFLOAT16_PATTERN_BELOW_FLOAT16_MAX = 0x477F
 PARITY_MIN_COSINE = {"float32": 0.99999, "float16": 0.99, "bfloat16": 0.99}
 
 
@@ -41,8 +45,11 @@ def check_store_complete(db, rules_id: str, extraction_id: str, layers: list[int
     return counts
 
 
-def check_vectors(vectors: dict[int, np.ndarray], layers: list[int], num_rows: int, hidden_size: int) -> None:
-    """One vector per prompt and layer, of the model's width, finite, and not all zero."""
+def check_vectors(
+    vectors: dict[int, np.ndarray], layers: list[int], num_rows: int, hidden_size: int, stored_dtype: str = "float32",
+) -> None:
+    """One vector per prompt and layer, of the model's width, finite, not all zero, and (stored as float16)
+    inside float16's range, so that no value is stored as inf."""
     missing = sorted(set(layers) - set(vectors))
     if missing:
         raise ValidationError(f"check 'layers present': layers {missing} missing")
@@ -52,41 +59,49 @@ def check_vectors(vectors: dict[int, np.ndarray], layers: list[int], num_rows: i
             raise ValidationError(
                 f"check 'shape': layer {layer} has shape {array.shape}, expected ({num_rows}, {hidden_size})"
             )
-    for layer, finite, zero in _finite_and_zero_by_layer(layers, arrays):
+    for layer, finite, zero, too_big in _checked_rows_by_layer(layers, arrays, stored_dtype == "float16"):
         if not finite.all():
             raise ValidationError(
                 f"check 'finite': layer {layer} has {int((~finite).sum())} vectors with NaN or inf"
             )
         if zero.any():
             raise ValidationError(f"check 'non-zero': layer {layer} has {int(zero.sum())} all-zero vectors")
+        if too_big is not None and too_big.any():
+            raise ValidationError(
+                f"check 'float16 range': layer {layer} has {int(too_big.sum())} vectors with values beyond "
+                f"float16's largest ({FLOAT16_MAX:g}); store this model's vectors as float32 (--store-dtype float32)"
+            )
 
 
-def _finite_and_zero_by_layer(layers: list[int], arrays: list[np.ndarray]):
-    """(layer, finite rows, all-zero rows) for each layer. Layers that lie in one host buffer are checked
-    several at a time (`layer_views`): fewer numpy calls, each of which waits for Python's lock."""
+def _checked_rows_by_layer(layers: list[int], arrays: list[np.ndarray], float16_range: bool):
+    """(layer, finite rows, all-zero rows, rows beyond float16's range or None) for each layer. Layers that
+    lie in one host buffer are checked several at a time (`layer_views`): fewer numpy calls, each of which
+    waits for Python's lock."""
     together = stacked_view(arrays)
     if together is None:
         for layer, array in zip(layers, arrays):
-            yield layer, *_finite_and_zero_rows(array)
+            yield layer, *_checked_rows(array, float16_range)
         return
     per_block = max(1, CHECK_BLOCK_BYTES // max(1, arrays[0].nbytes))
     for start in range(0, len(layers), per_block):
-        finite, zero = _finite_and_zero_rows(together[start:start + per_block])
+        finite, zero, too_big = _checked_rows(together[start:start + per_block], float16_range)
         for j in range(len(finite)):
-            yield layers[start + j], finite[j], zero[j]
+            yield layers[start + j], finite[j], zero[j], None if too_big is None else too_big[j]
 
 
-def _finite_and_zero_rows(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row (along the last axis): no NaN or inf; all zeros. Both from each row's largest magnitude, one
-    pass over the values (NaN propagates through a maximum), as these checks run beside the engine on every
-    batch."""
+def _checked_rows(array: np.ndarray, float16_range: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Per row (along the last axis): no NaN or inf; all zeros; (if asked) a finite value beyond float16's
+    range. All from each row's largest magnitude, one pass over the values (NaN propagates through a
+    maximum), as these checks run beside the engine on every batch."""
     if bfloat16.is_bfloat16(array):
         peaks = bfloat16.row_peaks(array)
-        return peaks < bfloat16.EXPONENT_PATTERN, peaks == 0
+        finite = peaks < bfloat16.EXPONENT_PATTERN
+        return finite, peaks == 0, (finite & (peaks > BFLOAT16_PATTERN_BELOW_FLOAT16_MAX)) if float16_range else None
     if array.shape[-1] == 0:
-        return np.ones(array.shape[:-1], bool), np.ones(array.shape[:-1], bool)
+        return np.ones(array.shape[:-1], bool), np.ones(array.shape[:-1], bool), None
     peaks = np.abs(array).max(axis=-1)
-    return np.isfinite(peaks), peaks == 0
+    finite = np.isfinite(peaks)
+    return finite, peaks == 0, (finite & (peaks > FLOAT16_MAX)) if float16_range else None
 
 
 def _vectors(table: pa.Table, layers: list[int]) -> dict[int, np.ndarray]:

@@ -33,7 +33,8 @@ from layertap.bfloat16 import is_bfloat16, to_float32
 from layertap.file_modes import create_file, make_dirs
 from layertap.layer_views import stacked_view
 
-# bfloat16 vectors are stored as float32, which holds every bfloat16 value exactly (Arrow has no bfloat16).
+# What each dtype is stored as: a stored dtype (`Settings.stored_dtype`) as itself; a bfloat16 engine's
+# vectors, when given its dtype, as float32, which holds every bfloat16 value exactly (Arrow has no bfloat16).
 _STORAGE = {"float32": np.float32, "bfloat16": np.float32, "float16": np.float16}
 # Vectors that must be converted to their stored type (bfloat16 ones) are converted one row group at a time,
 # just before it is encoded, so a file being written holds at most this many converted bytes. Files a batch
@@ -68,9 +69,10 @@ def _fsync(path: Path) -> None:
 
 
 def _stored(array: np.ndarray, dtype: str) -> np.ndarray:
-    """`array` in the type it is stored as (no copy when it already is)."""
+    """`array` in the type it is stored as (no copy when it already is); bfloat16 is widened exactly first."""
     if is_bfloat16(array):
-        return to_float32(array)
+        wide = to_float32(array)
+        return wide if _STORAGE[dtype] == np.float32 else wide.astype(_STORAGE[dtype])
     return np.ascontiguousarray(array, dtype=_STORAGE[dtype])
 
 

@@ -113,10 +113,11 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         # Values are checked in memory while the files are encoded (both only read the vectors), so the
         # published part never has to be read back whole; a failing part is still written, for
         # validate-batch to quarantine and report.
-        checked = _CHECKERS.submit(checks.check_vectors, result.vectors, layers, len(kept), runner.hidden_size)
+        checked = _CHECKERS.submit(checks.check_vectors, result.vectors, layers, len(kept), runner.hidden_size,
+                                   settings.stored_dtype())
         try:
-            files = write_batch_files(store, batch["extraction_id"], part_id, kept, result.vectors, settings.dtype,
-                                      max_file_bytes=int(settings.part_file_mb * 1e6))
+            files = write_batch_files(store, batch["extraction_id"], part_id, kept, result.vectors,
+                                      settings.stored_dtype(), max_file_bytes=int(settings.part_file_mb * 1e6))
         except OSError as exc:
             raise as_unwritable(exc, store) or exc from exc
         finally:

@@ -16,16 +16,16 @@ from layertap.store import ExtractionKey, StoreDB
 @task(name="register-extraction", cache_policy=NO_CACHE, result_serializer="json")
 def register_extraction(
     store: str, model_dir: str, pooling: str, dtype: str, remove_period: bool, layers: str | list[int],
-    truncate_to: int | None = None,
+    truncate_to: int | None = None, store_dtype: str | None = None,
 ) -> dict:
     """Fingerprint the model from its files (no engine needed) and record the extraction key."""
     rules = NormaliseRules(remove_period=remove_period)
-    key = ExtractionKey.for_model(model_dir, pooling, dtype, rules.rules_id, truncate_to)
+    key = ExtractionKey.for_model(model_dir, pooling, dtype, rules.rules_id, truncate_to, store_dtype)
     resolved = resolve_layers(layers, key.num_layers)  # a bad index fails before the store is touched
     db = StoreDB(store)
     extraction_id = db.register_extraction(key)
     get_run_logger().info(
-        "extraction %s: model %s (%s, %d layers, hidden %d), %s pooling, %s, rules %s, layers %s",
+        "extraction %s: model %s (%s, %d layers, hidden %d), %s pooling, %s stored as %s, rules %s, layers %s",
         extraction_id,
         key.model_fingerprint[:12],
         read_model_info(model_dir).model_type,
@@ -33,6 +33,7 @@ def register_extraction(
         key.hidden_size,
         pooling,
         dtype,
+        key.stored_dtype,
         rules.rules_id,
         ",".join(map(str, resolved)),
     )
@@ -45,6 +46,7 @@ def register_extraction(
         "layers": resolved,
         "hidden_size": key.hidden_size,
         "num_layers": key.num_layers,
+        "stored_dtype": key.stored_dtype,
     }
 
 

@@ -88,12 +88,12 @@ def test_malformed_input_is_one_line_and_leaves_the_store_alone(case, tmp_path, 
 
 def test_store_of_another_version_is_refused_and_left_alone(tmp_path, store):
     with duckdb.connect(str(store / "layertap.duckdb")) as con:
-        con.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")  # a newer layertap's store
+        con.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")  # a newer layertap's store
     before = snapshot(store)
     out = run_cli("run", "--input", write_csv(tmp_path / "in.csv", ["a"]), "--store", str(store), cwd=tmp_path)
     assert out.returncode == 1
     reason = one_error_line(out.stderr)
-    assert "layertap.duckdb: store has schema version 3; this layertap needs 2" in reason
+    assert "layertap.duckdb: store has schema version 4; this layertap needs 3" in reason
     assert snapshot(store) == before
 
 

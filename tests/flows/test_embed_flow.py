@@ -14,6 +14,7 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from layertap import engine_cache
@@ -154,6 +155,36 @@ def test_a_bfloat16_run_stores_the_engine_s_values_exactly_as_float32(run, tmp_p
     reference = HfRunner(tiny_model, "bfloat16").extract(texts, [4], "last").vectors[4]
     cos = (ours * reference).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1))
     assert cos.min() > 0.99
+
+
+def test_float16_storage_holds_a_bfloat16_engine_s_values_exactly_in_half_the_bytes(run, tmp_path, tiny_model):
+    """Stored as float16, the same bfloat16 values come back unchanged (they lie inside float16's range), as an
+    extraction of their own beside the float32-stored one; readers get float16 from the store."""
+    from layertap import Store
+
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS)
+    wide, _ = run([source], dtype="bfloat16")
+    half, _ = run([source], dtype="bfloat16", store_dtype="float16")
+    assert half["embedded"] == wide["embedded"] == DISTINCT and half["extraction_id"] != wide["extraction_id"]
+    store = Store(half["store"])
+    listed = store.extractions().to_pydict()
+    assert dict(zip(listed["extraction_id"], listed["stored_dtype"])) == {
+        wide["extraction_id"]: "float32", half["extraction_id"]: "float16"}
+    tables = {name: store.embeddings(layer=4, store_dtype=name) for name in ("float32", "float16")}
+    assert tables["float16"].schema.field("embedding").type.value_type == "halffloat"
+    assert tables["float16"]["prompt_hash"] == tables["float32"]["prompt_hash"]
+    values = {name: np.asarray(t["embedding"].combine_chunks().flatten()) for name, t in tables.items()}
+    assert np.array_equal(values["float16"].astype(np.float32), values["float32"])
+    def vector_bytes(eid: str) -> int:
+        """The layer columns' bytes before compression (split into byte planes, a bfloat16 value's two
+        all-zero low bytes compress to almost nothing in float32 too)."""
+        chunks = [meta.row_group(g).column(c)
+                  for path in (Path(half["store"]) / "parts" / eid).glob("*.parquet")
+                  for meta in [pq.ParquetFile(path).metadata]
+                  for g in range(meta.num_row_groups) for c in range(meta.num_columns)]
+        return sum(chunk.total_uncompressed_size for chunk in chunks if chunk.path_in_schema.startswith("layer_"))
+
+    assert vector_bytes(half["extraction_id"]) < 0.6 * vector_bytes(wide["extraction_id"])
 
 
 def test_a_batch_over_the_file_limit_is_written_as_several_files_and_read_back_whole(run, tmp_path, tiny_model,

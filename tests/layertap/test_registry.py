@@ -14,7 +14,8 @@ from layertap.registry import Registry, check_name, read_status
 from layertap.store import DB_NAME, SCHEMA_VERSION, Store, StoreDB
 from layertap.store_lock import store_lock
 
-OPTIONS = {"model": "/models/m", "layers": "0,-1", "pooling": "last", "dtype": "float32", "remove_period": False}
+OPTIONS = {"model": "/models/m", "layers": "0,-1", "pooling": "last", "dtype": "float32", "store_dtype": None,
+           "remove_period": False}
 
 
 def write(path, *texts):
@@ -108,7 +109,7 @@ def test_an_unknown_store_version_is_a_clear_error(tmp_path):
     StoreDB(store).prepare()
     with duckdb.connect(str(store / DB_NAME)) as con:
         con.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
-    with pytest.raises(StoreError, match="schema version 99; this layertap needs 2"):
+    with pytest.raises(StoreError, match="schema version 99; this layertap needs 3"):
         Registry(store)
     with pytest.raises(StoreError, match="schema version 99"):
         Store(store)

@@ -348,6 +348,37 @@ def test_threads_opening_the_store_at_once_all_get_a_working_connection(db, inpu
     assert table(db, "SELECT count(*) FROM prompt_rejects") == [(1,)]
 
 
+def test_the_stored_dtype_changes_the_key_only_when_it_is_not_the_engine_dtypes_default(db):
+    """float16 storage of a float32 engine is another extraction; asking for the default changes nothing, so
+    stores made before the option keep their ids. Readers see the stored dtype in `extractions()`."""
+    assert KEY.stored_dtype == "float32"
+    assert ExtractionKey(**{**KEY.__dict__, "store_dtype": "float32"}).extraction_id == KEY.extraction_id
+    half = ExtractionKey(**{**KEY.__dict__, "store_dtype": "float16"})
+    assert half.extraction_id != KEY.extraction_id
+    f16 = ExtractionKey(**{**KEY.__dict__, "dtype": "float16"})
+    assert f16.stored_dtype == "float16"
+    assert ExtractionKey(**{**f16.__dict__, "store_dtype": "float16"}).extraction_id == f16.extraction_id
+    db.register_extraction(KEY)
+    db.register_extraction(half)
+    listed = Store(db.root).extractions().to_pydict()
+    assert dict(zip(listed["extraction_id"], listed["stored_dtype"])) == {
+        KEY.extraction_id: "float32", half.extraction_id: "float16"}
+
+
+def test_a_version_2_store_gets_each_extractions_stored_dtype_when_upgraded(db):
+    float16_engine = ExtractionKey(**{**KEY.__dict__, "dtype": "float16"})
+    for key in (KEY, float16_engine):
+        db.register_extraction(key)
+    with duckdb.connect(str(db.db_path)) as con:  # what a store made before the stored-dtype option looks like
+        con.execute("ALTER TABLE extractions DROP COLUMN stored_dtype")
+        con.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    assert Store(db.root).schema_version == "2"
+    StoreDB(db.root).prepare()
+    listed = Store(db.root).extractions().to_pydict()
+    assert dict(zip(listed["extraction_id"], listed["stored_dtype"])) == {
+        KEY.extraction_id: "float32", float16_engine.extraction_id: "float16"}
+
+
 def test_register_extraction_is_idempotent_and_checks_shape(db):
     eid = db.register_extraction(KEY)
     assert db.register_extraction(KEY) == eid == KEY.extraction_id and len(eid) == 16

@@ -86,8 +86,8 @@ def test_layers_of_one_host_buffer_are_checked_a_block_at_a_time_and_still_named
         buffer = bfloat16.from_bits((buffer.view(np.uint32) >> 16).astype(np.uint16))
     monkeypatch.setattr(validate, "CHECK_BLOCK_BYTES", 2 * buffer[0].nbytes)  # two layers per block
     blocks = []
-    monkeypatch.setattr(validate, "_finite_and_zero_rows",
-                        lambda a, check=validate._finite_and_zero_rows: blocks.append(a.shape) or check(a))
+    monkeypatch.setattr(validate, "_checked_rows",
+                        lambda a, f16, check=validate._checked_rows: blocks.append(a.shape) or check(a, f16))
     with pytest.raises(ValidationError, match=f"check 'finite': layer {bad_layer} has 1 vectors"):
         check_vectors({layer: buffer[j] for j, layer in enumerate(layers)}, layers, 6, 8)
     assert blocks[0] == (2, 6, 8) and len(blocks) == bad_layer // 2 + 1
@@ -100,6 +100,26 @@ def test_layers_of_one_host_buffer_are_checked_a_block_at_a_time_and_still_named
     with pytest.raises(ValidationError, match=f"check 'finite': layer {bad_layer} has 1 vectors"):
         check_vectors(apart, layers, 6, 8)
     assert blocks == [(6, 8)] * (bad_layer + 1)
+
+
+@pytest.mark.parametrize("as_bfloat16", [False, True])
+def test_float16_storage_refuses_a_value_beyond_its_range_naming_the_layer(as_bfloat16):
+    """Stored as float16, a value float16 cannot hold would be stored as inf: the batch fails its checks
+    instead, naming the layer. The largest bfloat16 float16 holds passes, and float32 storage takes both."""
+    from layertap import bfloat16
+
+    def batch(peak: float) -> dict[int, np.ndarray]:
+        found = vectors(layers=(0, 5))
+        found[5] = found[5].copy()
+        found[5][2, 1] = peak
+        if as_bfloat16:  # the values chosen are exact bfloat16 values
+            return {layer: bfloat16.from_bits((v.view(np.uint32) >> 16).astype(np.uint16)) for layer, v in found.items()}
+        return found
+
+    with pytest.raises(ValidationError, match=r"check 'float16 range': layer 5 has 1 vectors .*--store-dtype float32"):
+        check_vectors(batch(-65536.0), [0, 5], 6, 8, "float16")
+    check_vectors(batch(-65536.0), [0, 5], 6, 8, "float32")
+    check_vectors(batch(65280.0), [0, 5], 6, 8, "float16")
 
 
 def test_missing_layer_fails():
