@@ -53,6 +53,23 @@ def read_model_info(model_dir: str | os.PathLike) -> ModelInfo:
         raise InputError(f"model: {path} lacks a usable num_hidden_layers/hidden_size ({exc})") from None
 
 
+def parameter_count(model_dir: str | os.PathLike) -> int | None:
+    """How many weights the folder's safetensors files hold, read from their headers alone; None when it has
+    none (weights in another format, or a folder that only has a config)."""
+    total, files = 0, sorted(Path(model_dir).glob("*.safetensors"))
+    for path in files:
+        with path.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in entry["shape"]:
+                    count *= int(dim)
+                total += count
+    return total if files else None
+
+
 def _file_digest(path: Path) -> str:
     size = path.stat().st_size
     digest = hashlib.sha256()

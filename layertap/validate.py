@@ -197,7 +197,8 @@ def parity_check(
     trust_remote_code: bool = False,
     engine=None,
 ) -> ParityReport:
-    """Recompute `texts` with transformers (float32, CPU) and compare with `vectors` (rows = texts). Given an
+    """Recompute `texts` with transformers (`hf_reference`: on the GPU in the engine's dtype where it fits,
+    else in float32 on the CPU) and compare with `vectors` (rows = texts), at the engine dtype's tolerance. Given an
     engine in another process that can compute the reference (`RunnerClient.reference`), it does, so this
     process never loads torch."""
     if hasattr(engine, "reference"):
@@ -205,7 +206,7 @@ def parity_check(
     else:
         from layertap.runner.hf_runner import hf_reference
 
-        expected = hf_reference(model, texts, layers, pooling, trust_remote_code)
+        expected = hf_reference(model, texts, layers, pooling, trust_remote_code, dtype)
     return compare({layer: vectors[layer] for layer in layers}, expected, dtype)
 
 

@@ -67,7 +67,7 @@ def answer_calls(conn, runner, workers: Executor, on_call=None, extra_calls: dic
     def reference(call_id: int, texts: list[str], layers: list[int], pooling: str, trust_remote_code: bool) -> dict:
         from layertap.runner.hf_runner import hf_reference
 
-        return hf_reference(runner.options.model, texts, layers, pooling, trust_remote_code)
+        return hf_reference(runner.options.model, texts, layers, pooling, trust_remote_code, runner.options.dtype)
 
     calls = {"extract": extract, "reserve": reserve, "reference": reference,
              "healthy": lambda call_id: runner.healthy(),

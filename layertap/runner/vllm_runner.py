@@ -95,6 +95,22 @@ def _as_numpy(vectors: torch.Tensor) -> np.ndarray:
     return vectors.numpy()
 
 
+def default_gpu_memory_share(options: EngineOptions) -> float:
+    """The engine's share of the GPU when none is asked for: vLLM's 0.9, less the room the parity reference
+    needs to run beside it in the engine's dtype (`hf_runner.reference_bytes`), as long as the engine keeps
+    at least half the device. Extraction is prefill only: the KV cache holds only the prompts in flight, so a
+    smaller share costs no speed."""
+    from vllm.platforms import current_platform
+
+    from layertap.runner.hf_runner import reference_bytes
+
+    needed = reference_bytes(options.model, options.dtype) if options.load_format != "dummy" else None
+    if not needed:
+        return 0.9
+    share = 1.0 - needed / current_platform.get_device_total_memory(0)
+    return round(min(0.9, share), 3) if share >= 0.5 else 0.9
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -136,7 +152,7 @@ class VllmRunner:
             enforce_eager=eager,
             tensor_parallel_size=options.tensor_parallel_size,
             trust_remote_code=options.trust_remote_code,
-            gpu_memory_utilization=options.gpu_memory_utilization or (0.3 if on_cpu else 0.9),
+            gpu_memory_utilization=options.gpu_memory_utilization or (0.3 if on_cpu else default_gpu_memory_share(options)),
             seed=options.seed,
             enable_prefix_caching=True,
             worker_extension_cls=EXTENSION,

@@ -68,3 +68,30 @@ def test_folder_without_config_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(InputError, match="num_hidden_layers"):
         read_model_info(tmp_path)
+
+
+def test_parameter_count_reads_the_safetensors_headers_only(tiny, tmp_path):
+    """What the parity reference's device memory is sized from: every weight stored, without loading any."""
+    from safetensors.torch import load_file
+
+    from layertap.model_fingerprint import parameter_count
+
+    stored = sum(t.numel() for f in sorted(os.listdir(tiny)) if f.endswith(".safetensors")
+                 for t in load_file(os.path.join(tiny, f)).values())
+    assert parameter_count(tiny) == stored > 0
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(os.path.join(tiny, "config.json"), config_only)
+    assert parameter_count(config_only) is None
+
+
+def test_the_parity_reference_runs_in_float32_on_a_machine_without_a_gpu(tiny):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from layertap.runner.hf_runner import REFERENCE_SLACK_BYTES, reference_bytes, reference_placement
+    from layertap.model_fingerprint import parameter_count
+
+    assert reference_placement(str(tiny), "bfloat16") == ("cpu", "float32")
+    assert reference_bytes(str(tiny), "bfloat16") == 2 * parameter_count(tiny) + REFERENCE_SLACK_BYTES
