@@ -14,6 +14,7 @@ last-token pooling.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import functools
 import json
@@ -27,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-WORKLOADS = {"short": (4096, 18), "medium": (2000, 240), "short100k": (100_000, 18)}
+WORKLOADS = {"short": (4096, 18), "medium": (2000, 240), "short100k": (100_000, 18), "medium20k": (20_000, 240)}
 # The per-prompt HF loop and vLLM's file-per-request extractor are measured on a prefix of the workload
 # (their cost is linear in prompts; the full set would take minutes or hundreds of GB of /dev/shm).
 SUBSET = {"hf_loop": {"short": 256, "medium": 128}, "vllm_extract_hidden_states": {"short": 1024, "medium": 200}}
@@ -46,6 +47,14 @@ IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "4"))
 # that a long-lived worker pays once. The first pass's time is reported beside it. Each pass has prompts of
 # its own (same sizes, other words), so no pass finds its prompts in the engine's prefix cache.
 PASSES = int(os.environ.get("BENCH_PASSES", "2"))
+# "dummy": random weights drawn by vLLM at load (weights' values do not change the engine's speed); "auto":
+# the weights saved in the model folder (`--weights random`), so the store holds realistic bytes and the
+# parity sample has a reference.
+LOAD_FORMAT = os.environ.get("BENCH_LOAD_FORMAT", "dummy")
+# The flow's parity sample: the product's default (8) where the model has weights to compare against.
+PARITY_SAMPLE = int(os.environ.get("BENCH_PARITY_SAMPLE", "0" if LOAD_FORMAT == "dummy" else "8"))
+# Modes that start one engine and run every workload on it, one after another (start-up is paid once).
+SESSION_MODES = ("vllm_plain", "layertap_runner", "layertap", "layertap_float16")
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                  intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be has or had "
@@ -118,22 +127,23 @@ def _passes(run, prompt_sets: list[list[str]]) -> dict:
     times = []
     for prompts in prompt_sets:
         cpu_before = _cpu_seconds()
-        with GpuBusy() as gpu:
+        with GpuBusy() as gpu, RssSampler() as rss:
             start = time.perf_counter()
             run(prompts)
             times.append(time.perf_counter() - start)
     cpu = _cpu_used(cpu_before, _cpu_seconds(), times[-1])
     return {"seconds": times[-1], "first_pass_s": times[0], "passes": len(times), "cpu_last_pass": cpu,
-            "gpu_utilisation_last_pass_pct": gpu.mean}
+            "gpu_utilisation_last_pass_pct": gpu.mean, "peak_pss_of_process_tree_during_run_gib": rss.tree_peak}
 
 
-def run_vllm_plain(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+def session_vllm_plain(model_dir: str):
+    """Plain generate(max_tokens=1): the engine started once; `measure(prompt_sets)` runs a workload on it."""
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16")
+    llm = LLM(model=model_dir, load_format=LOAD_FORMAT, dtype="bfloat16")
     startup = time.perf_counter() - t0
-    llm.generate(prompt_sets[0][:64], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+    llm.generate([f"warm-up prompt number {i}" for i in range(64)], SamplingParams(max_tokens=1), use_tqdm=False)
     engine, step = llm.llm_engine, llm.llm_engine.step
     steps = {"steps": 0, "stepping_s": 0.0, "first_step_at_s": None}
 
@@ -152,10 +162,20 @@ def run_vllm_plain(model_dir: str, prompt_sets: list[list[str]]) -> dict:
         llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
 
     engine.step = timed_step
-    timing = _passes(run, prompt_sets)
     scheduler = engine.vllm_config.scheduler_config
-    return {**timing, "startup_s": startup, "last_pass_engine_thread": steps, **_engine_kind(engine),
-            "max_num_batched_tokens": scheduler.max_num_batched_tokens, "max_num_seqs": scheduler.max_num_seqs}
+    started = {"startup_s": startup, **_engine_kind(engine),
+               "gpu_memory_utilization": engine.vllm_config.cache_config.gpu_memory_utilization,
+               "max_num_batched_tokens": scheduler.max_num_batched_tokens, "max_num_seqs": scheduler.max_num_seqs}
+
+    def measure(prompt_sets: list[list[str]]) -> dict:
+        return {**_passes(run, prompt_sets), "last_pass_engine_thread": dict(steps)}
+
+    return started, measure
+
+
+def run_vllm_plain(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    started, measure = session_vllm_plain(model_dir)
+    return {**started, **measure(prompt_sets)}
 
 
 def run_vllm_plain_v1_runner(model_dir: str, prompt_sets: list[list[str]]) -> dict:
@@ -424,84 +444,108 @@ class PhaseTimes:
         self._publish.fn = self._publish_body
 
 
-def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: bool | None = None,
-                 runner_process: bool | None = None) -> dict:
-    """End to end through the `embed` flow: ingest, normalise, plan, extract, write Parquet, validate,
-    publish, then read the last layer back through `Store`. The engine is started (and timed) by a
-    warm-up run and kept for the measured run, as a worker process keeps it between batches."""
+_HELD = contextlib.ExitStack()
+
+
+def session_layertap(model_dir: str, engine_process: bool | None = None, runner_process: bool | None = None,
+                     store_dtype: str | None = None):
+    """End to end through the `embed` flow: ingest, normalise, plan, extract, write Parquet, validate (with
+    the parity sample where the model has weights), publish, then read the last layer back through `Store`.
+    The engine is started (and timed) by a warm-up run and kept for every measured run, as a worker process
+    keeps it between batches; `measure(prompt_sets)` runs a workload's flow calls on it."""
     import shutil
 
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    os.environ["LAYERTAP_LOAD_FORMAT"] = "dummy"  # weights' values do not change speed
+    os.environ["LAYERTAP_LOAD_FORMAT"] = LOAD_FORMAT
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.embed import embed_flow
     from layertap import Store, engine_cache
     from layertap.settings import load_settings
 
+    common = dict(model=model_dir, layers="all", pooling="last", dtype="bfloat16", parity_sample=PARITY_SAMPLE,
+                  batch_size=BATCH, batches_in_flight=IN_FLIGHT, engine_process=engine_process,
+                  runner_process=runner_process, store_dtype=store_dtype)
+    _HELD.enter_context(engine_cache.pin())  # engines kept until the process exits
     work = Path(tempfile.mkdtemp(prefix="layertap-bench-"))
     warm = work / "warm.csv"
     pacsv.write_csv(pa.table({"text": [f"warm-up prompt number {i}" for i in range(64)]}), warm)
-    data = []
-    for k, prompts in enumerate(prompt_sets):
-        data.append(work / f"prompts-{k}.csv")
-        pacsv.write_csv(pa.table({"text": prompts}), data[-1])
-    prompts = prompt_sets[-1]
-    common = dict(model=model_dir, layers="all", pooling="last", dtype="bfloat16", parity_sample=0,
-                  batch_size=BATCH, batches_in_flight=IN_FLIGHT, engine_process=engine_process,
-                  runner_process=runner_process)
-    with engine_cache.pin():
-        t0 = time.perf_counter()
-        embed_flow(input=[str(warm)], store=str(work / "warm-store"), **common)
-        startup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    embed_flow(input=[str(warm)], store=str(work / "warm-store"), **common)
+    startup = time.perf_counter() - t0
+    runner = next(iter(engine_cache._runners.values()))
+    started = {"startup_and_warmup_s": startup, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
+               "parity_sample": PARITY_SAMPLE, "store_dtype": store_dtype or "float32",
+               "part_file_mb": load_settings(env_file=None).part_file_mb,
+               "engine_process": runner.engine_process, "runner_process": getattr(runner, "runner_process", False)}
+
+    def measure(prompt_sets: list[list[str]]) -> dict:
+        data = []
+        for k, prompts in enumerate(prompt_sets):
+            data.append(work / f"prompts-{k}.csv")
+            pacsv.write_csv(pa.table({"text": prompts}), data[-1])
+        prompts = prompt_sets[-1]
         first_pass = None
-        for extra in range(PASSES - 1):  # earlier passes go to stores of their own: nothing is skipped as done
+        for extra in range(len(prompt_sets) - 1):  # earlier passes go to stores of their own: nothing is skipped
             start = time.perf_counter()
             embed_flow(input=[str(data[extra])], store=str(work / f"store-pass{extra}"), **common)
             first_pass = first_pass or time.perf_counter() - start
+            shutil.rmtree(work / f"store-pass{extra}", ignore_errors=True)
         memory_before = _memory_gib()
-        rss_before = memory_before.get("rss", float("nan"))
-        runner = next(iter(engine_cache._runners.values()))
         activity = runner.activity()
         cpu_before = _cpu_seconds()
+        store = work / "store"
         with RssSampler() as rss, PhaseTimes() as phases, ActivityTimeline(runner) as timeline, GpuBusy() as gpu:
             start = time.perf_counter()
-            summary = embed_flow(input=[str(data[-1])], store=str(work / "store"), **common)
+            summary = embed_flow(input=[str(data[-1])], store=str(store), **common)
             flow_call = time.perf_counter() - start  # the flow's own seconds plus Prefect's start and exit
         cpu = _cpu_used(cpu_before, _cpu_seconds(), flow_call)
         engine = runner.activity()
         with RssSampler() as read_rss:  # reading a whole layer back holds it in memory: sampled apart
-            table = Store(work / "store").embeddings(layer=-1)
+            table = Store(store).embeddings(layer=-1)
             seconds = time.perf_counter() - start
-        capture = runner.capture_buffer_bytes
-    store_bytes = sum(f.stat().st_size for f in (work / "store").rglob("*") if f.is_file())
-    parquet_files = len(list((work / "store" / "parts").rglob("*.parquet")))
-    assert table.num_rows == summary["embedded"] == len(set(prompts)), (table.num_rows, summary)
-    shutil.rmtree(work, ignore_errors=True)
-    # The run ends when the flow returns: its results are then published and readable. Reading a whole layer
-    # back (1.6 GB for 100,000 prompts) is a reader's work, timed apart.
-    return {"seconds": flow_call, "seconds_with_read_back": seconds, "first_pass_s": first_pass or flow_call,
-            "passes": PASSES,
-            "startup_and_warmup_s": startup, "flow_seconds": summary["seconds"], "flow_call_s": flow_call,
-            "read_back_s": seconds - flow_call,
-            "embedded": summary["embedded"], "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
-            "store_bytes": store_bytes, "parquet_files": parquet_files,
-            "part_file_mb": load_settings(env_file=None).part_file_mb, "capture_buffer_bytes": capture,
-            "task_phase_seconds_summed_over_batches": phases.seconds,
-            "engine_thread": {**_activity_between(activity, engine), "extract_phase_s": summary["extract_seconds"]},
-            "cpu_during_flow_call": cpu, "gpu_utilisation_during_flow_call_pct": gpu.mean,
-            "engine_timeline_t_steps_stepping_idle": timeline.samples,
-            "summary_engine_s": {k: summary.get(k) for k in ("engine_busy_seconds", "engine_idle_seconds")},
-            "flow_step_seconds_on_flow_thread": phases.flow_steps,
-            "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process,
-            "runner_process": getattr(runner, "runner_process", False),
-            "rss_before_run_gib": rss_before, "peak_rss_during_run_gib": rss.peak,
-            "memory_before_run_gib": memory_before, "memory_at_peak_during_run_gib": rss.at_peak,
-            "memory_timeline_gib": rss.timeline,
-            "peak_pss_of_process_tree_during_run_gib": rss.tree_peak,
-            "peak_rss_reading_last_layer_back_gib": read_rss.peak,
-            "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        files = [f for f in store.rglob("*") if f.is_file()]
+        store_bytes = sum(f.stat().st_size for f in files)
+        parquet_files = sum(f.suffix == ".parquet" for f in files)
+        assert table.num_rows == summary["embedded"] == len(set(prompts)), (table.num_rows, summary)
+        del table
+        shutil.rmtree(store, ignore_errors=True)
+        for path in data:
+            path.unlink()
+        # The run ends when the flow returns: its results are then published and readable. Reading a whole
+        # layer back (1.6 GB for 100,000 prompts) is a reader's work, timed apart.
+        return {"seconds": flow_call, "seconds_with_read_back": seconds, "first_pass_s": first_pass or flow_call,
+                "passes": len(prompt_sets), "flow_seconds": summary["seconds"], "flow_call_s": flow_call,
+                "read_back_s": seconds - flow_call, "embedded": summary["embedded"],
+                "store_bytes": store_bytes, "parquet_files": parquet_files,
+                "capture_buffer_bytes": runner.capture_buffer_bytes,
+                "task_phase_seconds_summed_over_batches": phases.seconds,
+                "engine_thread": {**_activity_between(activity, engine), "extract_phase_s": summary["extract_seconds"]},
+                "cpu_during_flow_call": cpu, "gpu_utilisation_during_flow_call_pct": gpu.mean,
+                "engine_timeline_t_steps_stepping_idle": timeline.samples,
+                "summary_engine_s": {k: summary.get(k) for k in ("engine_busy_seconds", "engine_idle_seconds")},
+                "flow_step_seconds_on_flow_thread": phases.flow_steps,
+                "host_buffers_allocated": runner.host_buffers_allocated,
+                "rss_before_run_gib": memory_before.get("rss", float("nan")), "peak_rss_during_run_gib": rss.peak,
+                "memory_before_run_gib": memory_before, "memory_at_peak_during_run_gib": rss.at_peak,
+                "memory_timeline_gib": rss.timeline,
+                "peak_pss_of_process_tree_during_run_gib": rss.tree_peak,
+                "peak_rss_reading_last_layer_back_gib": read_rss.peak,
+                "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+    return started, measure
+
+
+def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: bool | None = None,
+                 runner_process: bool | None = None) -> dict:
+    started, measure = session_layertap(model_dir, engine_process, runner_process)
+    return {**started, **measure(prompt_sets)}
+
+
+def session_layertap_float16(model_dir: str):
+    """The flow storing float16 (`--store-dtype float16`): half the bytes to encode and write."""
+    return session_layertap(model_dir, store_dtype="float16")
 
 
 def _extract_and_release(runner, prompts: list[str], layers: list[int]) -> int:
@@ -522,31 +566,41 @@ def _in_batches(runner, prompts: list[str], layers: list[int]) -> None:
     assert done == len(prompts)
 
 
-def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_process: bool | None = None) -> dict:
+def session_layertap_runner(model_dir: str, engine_process: bool | None = None):
     """The hooked runner alone: vectors for every prompt in host memory, no store. Batches are submitted
-    from several threads at once, as the flow does, so the engine never drains between them."""
+    from several threads at once, as the flow does, so the engine never drains between them. The engine
+    starts once; `measure(prompt_sets)` runs a workload on it."""
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
 
     t0 = time.perf_counter()
     overrides = json.loads(os.environ.get("BENCH_ENGINE_OPTIONS", "{}"))  # e.g. {"max_num_seqs": 2048}
-    options = {"dtype": "bfloat16", "load_format": "dummy", "engine_process": engine_process, **overrides}
+    options = {"dtype": "bfloat16", "load_format": LOAD_FORMAT, "engine_process": engine_process, **overrides}
     runner = VllmRunner(EngineOptions(model=model_dir, **options))
     startup = time.perf_counter() - t0
     layers = list(range(runner.num_layers + 1))
-    runner.extract(prompt_sets[0][:64], layers, "last").release()  # warm-up
+    runner.extract([f"warm-up prompt number {i}" for i in range(64)], layers, "last").release()
     runner.reserve_host_buffers(BATCH, len(layers), IN_FLIGHT)  # as the flow's extract task does
 
     def run(prompts):
         _in_batches(runner, prompts, layers)
 
-    activity = runner.activity()
-    timing = _passes(run, prompt_sets)
-    engine = runner.activity()
-    timing["engine_thread_all_passes"] = _activity_between(activity, engine)
-    return {**timing, "startup_s": startup, "capture_buffer_bytes": runner.capture_buffer_bytes,
-            "step_tokens": runner.step_tokens, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
-            "engine_options": overrides, **_engine_kind(runner.llm.llm_engine),
-            "host_buffers_allocated": runner.host_buffers_allocated, "engine_process": runner.engine_process}
+    def measure(prompt_sets: list[list[str]]) -> dict:
+        activity = runner.activity()
+        timing = _passes(run, prompt_sets)
+        timing["engine_thread_all_passes"] = _activity_between(activity, runner.activity())
+        return {**timing, "capture_buffer_bytes": runner.capture_buffer_bytes,
+                "host_buffers_allocated": runner.host_buffers_allocated}
+
+    config = runner.llm.llm_engine.vllm_config
+    return {"startup_s": startup, "step_tokens": runner.step_tokens, "batch_size": BATCH,
+            "batches_in_flight": IN_FLIGHT, "engine_options": overrides, **_engine_kind(runner.llm.llm_engine),
+            "gpu_memory_utilization": config.cache_config.gpu_memory_utilization,
+            "engine_process": runner.engine_process}, measure
+
+
+def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_process: bool | None = None) -> dict:
+    started, measure = session_layertap_runner(model_dir, engine_process)
+    return {**started, **measure(prompt_sets)}
 
 
 def run_layertap_runner_writing(model_dir: str, prompt_sets: list[list[str]]) -> dict:
@@ -563,7 +617,7 @@ def run_layertap_runner_writing(model_dir: str, prompt_sets: list[list[str]]) ->
     from layertap.writer import part_id_for, write_batch_files
 
     t0 = time.perf_counter()
-    runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format="dummy"))
+    runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format=LOAD_FORMAT))
     startup = time.perf_counter() - t0
     layers = list(range(runner.num_layers + 1))
     runner.extract(prompt_sets[0][:64], layers, "last").release()  # warm-up
@@ -628,7 +682,7 @@ def _vllm_pooling(model_dir: str, prompt_sets: list[list[str]], **options) -> di
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, runner="pooling", convert="embed", dtype="bfloat16", load_format="dummy", **options)
+    llm = LLM(model=model_dir, runner="pooling", convert="embed", dtype="bfloat16", load_format=LOAD_FORMAT, **options)
     startup = time.perf_counter() - t0
     llm.encode(prompt_sets[0][:64], pooling_task="embed", use_tqdm=False)  # warm-up
     timing = _passes(lambda prompts: llm.encode(prompts, pooling_task="embed", use_tqdm=False), prompt_sets)
@@ -710,7 +764,7 @@ def run_vllm_plain_profiled(model_dir: str, prompt_sets: list[list[str]]) -> dic
     from vllm import LLM, SamplingParams
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16")
+    llm = LLM(model=model_dir, load_format=LOAD_FORMAT, dtype="bfloat16")
     llm.generate(prompt_sets[0], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
     result = _profiled(lambda p: llm.generate(p, SamplingParams(max_tokens=1), use_tqdm=False),
                        prompt_sets[-1])
@@ -721,7 +775,7 @@ def run_layertap_runner_profiled(model_dir: str, prompt_sets: list[list[str]]) -
     """The hooked runner, engine core in this process, one pass of `BENCH_PROFILE_PROMPTS` prompts profiled."""
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
 
-    runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format="dummy", engine_process=False))
+    runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format=LOAD_FORMAT, engine_process=False))
     layers = list(range(runner.num_layers + 1))
     runner.reserve_host_buffers(BATCH, len(layers), IN_FLIGHT)
 
@@ -743,7 +797,7 @@ def run_vllm_extract_hidden_states(model_dir: str, prompt_sets: list[list[str]])
     shm = tempfile.mkdtemp(prefix="hs-", dir="/dev/shm")
     t0 = time.perf_counter()
     llm = LLM(
-        model=model_dir, load_format="dummy", dtype="bfloat16", enable_chunked_prefill=False,
+        model=model_dir, load_format=LOAD_FORMAT, dtype="bfloat16", enable_chunked_prefill=False,
         speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                             "draft_model_config": {"hf_config": {
                                 "eagle_aux_hidden_state_layer_ids": list(range(LLAMA2_7B["num_hidden_layers"]))}}},
@@ -764,28 +818,14 @@ def run_vllm_extract_hidden_states(model_dir: str, prompt_sets: list[list[str]])
             "startup_s": startup, "layers_captured": len(vectors[0]) if vectors else 0}
 
 
-def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
-    # Some modes are measured on a prefix of the workload (profiled ones: `BENCH_PROFILE_PROMPTS`).
-    limit = PROFILE_PROMPTS if mode in PROFILED_MODES else SUBSET.get(mode, {}).get(workload)
-    if os.environ.get("BENCH_SWITCH_INTERVAL"):  # seconds; Python's default is 0.005 (bench/task_overhead.py)
-        sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
-    if os.environ.get("BENCH_ENCODER_THREADS"):  # Parquet encoders of the flow's process (default: one per core)
-        import layertap.writer
+def _cold_caches() -> None:
+    """Empty compile caches for this mode's engine (vLLM's, Inductor's, Triton's): a cold start."""
+    fresh = Path(tempfile.mkdtemp(prefix="layertap-bench-cold-"))
+    for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        os.environ[name] = str(fresh / name.lower())
 
-        layertap.writer.encoder_threads = lambda: int(os.environ["BENCH_ENCODER_THREADS"])
-    prompt_sets = [make_prompts(workload, variant)[:limit] for variant in range(PASSES)]
-    prompts = prompt_sets[-1]  # the measured pass
-    try:
-        if mode in ("hf_loop", "hf_batched"):
-            result = run_hf(model_dir, prompts, batched=mode == "hf_batched")
-        else:
-            result = globals()[f"run_{mode}"](model_dir, prompt_sets)
-        result["status"] = "ok"
-    except Exception as exc:  # recorded in the results, the other modes still run
-        import traceback
 
-        result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()[-3000:]}
+def _finished(result: dict, prompts: list[str]) -> dict:
     result["prompts"] = len(prompts)
     result["switch_interval_s"] = sys.getswitchinterval()
     if "layertap.writer" in sys.modules:
@@ -796,7 +836,77 @@ def worker(mode: str, workload: str, model_dir: str, out: str) -> None:
         result["tokens_per_s"] = result["tokens"] / result["seconds"]
         if "seconds_with_read_back" in result:
             result["prompts_per_s_with_read_back"] = result["prompts"] / result["seconds_with_read_back"]
-    Path(out).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+def _failure(exc: BaseException) -> dict:
+    import traceback
+
+    return {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+
+
+def worker(mode: str, workloads: str, model_dir: str, out: str) -> None:
+    """Run `mode` on each of `workloads` (comma-separated); a session mode starts its engine once for all of
+    them. Writes {workload: result}, rewritten after each workload (kept if a later one runs out of time)."""
+    if mode in os.environ.get("BENCH_COLD_MODES", "").split(","):
+        _cold_caches()
+    if os.environ.get("BENCH_SWITCH_INTERVAL"):  # seconds; Python's default is 0.005 (bench/task_overhead.py)
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
+    if os.environ.get("BENCH_ENCODER_THREADS"):  # Parquet encoders of the flow's process (default: one per core)
+        import layertap.writer
+
+        layertap.writer.encoder_threads = lambda: int(os.environ["BENCH_ENCODER_THREADS"])
+    results: dict[str, dict] = {}
+    session = None
+    if mode in SESSION_MODES:
+        try:
+            session = globals()[f"session_{mode}"](model_dir)
+        except Exception as exc:  # recorded in the results, the other modes still run
+            session = _failure(exc)
+    for workload in workloads.split(","):
+        # Some modes are measured on a prefix of the workload (profiled ones: `BENCH_PROFILE_PROMPTS`).
+        limit = PROFILE_PROMPTS if mode in PROFILED_MODES else SUBSET.get(mode, {}).get(workload)
+        if os.environ.get("BENCH_MAX_PROMPTS"):  # a dry run of the modes on a CPU
+            limit = min(limit or 10**9, int(os.environ["BENCH_MAX_PROMPTS"]))
+        prompt_sets = [make_prompts(workload, variant)[:limit] for variant in range(PASSES)]
+        try:
+            if isinstance(session, dict):
+                result = dict(session)
+            elif session is not None:
+                started, measure = session
+                result = {**started, **measure(prompt_sets), "status": "ok"}
+            elif mode in ("hf_loop", "hf_batched"):
+                result = {**run_hf(model_dir, prompt_sets[-1], batched=mode == "hf_batched"), "status": "ok"}
+            else:
+                result = {**globals()[f"run_{mode}"](model_dir, prompt_sets), "status": "ok"}
+        except Exception as exc:  # recorded in the results, the other workloads still run
+            result = _failure(exc)
+        results[workload] = _finished(result, prompt_sets[-1])
+        Path(out).write_text(json.dumps(results, indent=1, default=str))
+
+
+def build_random_weights_dir(path: Path) -> str:
+    """The Llama-2-7B shape with random weights (Hugging Face's own initialisation, bfloat16) saved with
+    `save_pretrained`, so engines load real files and the parity sample has a reference. Built once per
+    path (13.5 GB), on the GPU."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from layertap.tiny_model import _byte_level_tokenizer
+
+    if (path / "model.safetensors.index.json").is_file():
+        return str(path)
+    config = LlamaConfig(**LLAMA2_7B, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config)
+    torch.set_default_dtype(torch.float32)
+    building = path.with_name(path.name + ".building")
+    model.to("cpu").save_pretrained(building, max_shard_size="5GB")
+    _byte_level_tokenizer().save_pretrained(building)
+    os.replace(building, path)
+    return str(path)
 
 
 def main() -> None:
@@ -804,11 +914,16 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--workloads", default="short,medium")
-    parser.add_argument("--mode-timeout", type=float, default=900, help="seconds one mode may run")
+    parser.add_argument("--mode-timeout", type=float, default=900,
+                        help="seconds one mode may run (a session mode: on all its workloads)")
     parser.add_argument("--tag", default="", help="suffix of the results file name")
     parser.add_argument("--model-dir", help="use this model folder instead of the Llama-2-7B shape (a dry run of "
                         "the modes on a small model, on a CPU too, before spending GPU time)")
-    parser.add_argument("--worker", nargs=4, metavar=("MODE", "WORKLOAD", "MODEL_DIR", "OUT"))
+    parser.add_argument("--weights", choices=("dummy", "random"), default="dummy",
+                        help="dummy: vLLM draws the weights at load; random: a saved random-weight model, loaded "
+                             "for real (built once under --weights-dir)")
+    parser.add_argument("--weights-dir", default=os.path.join(tempfile.gettempdir(), "layertap-llama2-7b-random"))
+    parser.add_argument("--worker", nargs=4, metavar=("MODE", "WORKLOADS", "MODEL_DIR", "OUT"))
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker)
@@ -817,57 +932,75 @@ def main() -> None:
     import vllm
 
     root = Path(tempfile.mkdtemp(prefix="layertap-gpu-bench-"))
-    model_dir = args.model_dir or build_model_dir(root)
+    if args.weights == "random":
+        os.environ["BENCH_LOAD_FORMAT"] = "auto"  # read by each mode's process
+        built = time.perf_counter()
+        model_dir = args.model_dir or build_random_weights_dir(Path(args.weights_dir))
+        build_s = time.perf_counter() - built
+    else:
+        model_dir, build_s = args.model_dir or build_model_dir(root), None
+    load_format = os.environ.get("BENCH_LOAD_FORMAT", "dummy")
     report = {
         "date": dt.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "vllm": vllm.__version__,
         "torch": torch.__version__,
+        "commit": os.environ.get("BENCH_COMMIT"),
         "command": "python " + " ".join(sys.argv),
         "model": ({"shape": "Llama-2-7B", **LLAMA2_7B} if not args.model_dir else {"dir": args.model_dir})
-                 | {"dtype": "bfloat16", "weights": "dummy"},
+                 | {"dtype": "bfloat16", "weights": "saved random weights" if load_format == "auto" else "dummy",
+                    "built_in_s": build_s},
         "layers": "all hidden states (33 for the 7B shape)", "pooling": "last", "passes_per_vllm_mode": PASSES,
         "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
+        "cold_modes": os.environ.get("BENCH_COLD_MODES", ""),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target = out / f"gpu-extract-{report['date']}{'-' + args.tag if args.tag else ''}.json"
-    for workload in args.workloads.split(","):
-        per_mode = {}
-        report[workload] = {"modes": per_mode}
-        for mode in args.modes.split(","):
-            result_file = root / f"{mode}-{workload}.json"
+    workloads = args.workloads.split(",")
+    for workload in workloads:
+        report[workload] = {"modes": {}}
+    for mode in args.modes.split(","):
+        # A session mode runs every workload on one engine; any other mode gets a process per workload.
+        for group in [workloads] if mode in SESSION_MODES else [[w] for w in workloads]:
+            result_file = root / f"{mode}-{group[0]}.json"
             started = time.perf_counter()
             # Its own process group, so a mode that runs out of time takes its engine processes with it
             # (an engine left behind would hold the GPU's memory and fail every later mode).
-            proc = subprocess.Popen([sys.executable, __file__, "--worker", mode, workload, model_dir, str(result_file)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--worker", mode, ",".join(group), model_dir, str(result_file)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
             try:
                 _, stderr = proc.communicate(timeout=args.mode_timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 _, stderr = proc.communicate()
-            if result_file.exists():
-                per_mode[mode] = json.loads(result_file.read_text())
-            elif proc.returncode == -signal.SIGKILL:
-                per_mode[mode] = {"status": "timed out", "limit_s": args.mode_timeout, "stderr": stderr[-3000:]}
-            else:
-                per_mode[mode] = {"status": "crashed", "returncode": proc.returncode, "stderr": stderr[-3000:]}
-            per_mode[mode]["wall_s"] = time.perf_counter() - started
-            print(f"{workload:6s} {mode:28s} {per_mode[mode].get('prompts_per_s', float('nan')):10.1f} prompts/s "
-                  f"({per_mode[mode]['status']})", flush=True)
+            found = json.loads(result_file.read_text()) if result_file.exists() else {}
+            for workload in group:
+                if workload in found:
+                    result = found[workload]
+                elif proc.returncode == -signal.SIGKILL:
+                    result = {"status": "timed out", "limit_s": args.mode_timeout, "stderr": stderr[-3000:]}
+                else:
+                    result = {"status": "crashed", "returncode": proc.returncode, "stderr": stderr[-3000:]}
+                result["mode_wall_s"] = time.perf_counter() - started
+                report[workload]["modes"][mode] = result
+                print(f"{workload:9s} {mode:28s} {result.get('prompts_per_s', float('nan')):10.1f} prompts/s "
+                      f"({result['status']})", flush=True)
             target.write_text(json.dumps(report, indent=1, default=str))  # kept if a later mode runs out of time
+    for workload in workloads:
+        per_mode = report[workload]["modes"]
         rates = {m: r.get("prompts_per_s") for m, r in per_mode.items()}
         entry = {"prompts_per_s": rates, "modes": per_mode}
-        ours = rates.get("layertap")
-        for name, ref in (("vllm_plain", "ratio_vs_vllm_plain"), ("hf_loop", "ratio_vs_hf_loop"),
-                          ("hf_batched", "ratio_vs_hf_batched"),
+        for ours in ("layertap", "layertap_runner", "layertap_float16"):
+            if rates.get(ours) and rates.get("vllm_plain"):
+                entry.setdefault("ratio_vs_vllm_plain", {})[ours] = rates[ours] / rates["vllm_plain"]
+        for name, ref in (("hf_loop", "ratio_vs_hf_loop"), ("hf_batched", "ratio_vs_hf_batched"),
                           ("vllm_extract_hidden_states", "ratio_vs_vllm_extract_hidden_states")):
-            entry[ref] = ours / rates[name] if ours and rates.get(name) else None
+            entry[ref] = rates["layertap"] / rates[name] if rates.get("layertap") and rates.get(name) else None
         report[workload] = entry
     target.write_text(json.dumps(report, indent=1, default=str))
-    print(json.dumps({w: {k: report[w][k] for k in report[w] if k != "modes"} for w in args.workloads.split(",")},
-                     indent=1))
+    print(json.dumps({w: {k: report[w][k] for k in report[w] if k != "modes"} for w in workloads}, indent=1))
     print("wrote", target)
 
 
