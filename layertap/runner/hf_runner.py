@@ -7,6 +7,8 @@ plainest possible code: no padding, no batching tricks, the model's own forward.
 from __future__ import annotations
 
 import gc
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -19,22 +21,65 @@ REFERENCE_SLACK_BYTES = 2 * 2**30
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+# safetensors' dtype names.
+_STORED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+           "I32": "int32", "U8": "uint8", "I8": "int8", "BOOL": "bool"}
+
+
+def _load_model(model: str, dtype, device: str, trust_remote_code: bool):
+    """The model built on `device` from its config, then its weights read tensor by tensor from the folder's
+    safetensors files into place: host memory holds one tensor at a time, never the whole model (a 7B
+    model's reference is built on the GPU beside a running engine). Folders in another format, or whose
+    names do not match the model's own, load through `from_pretrained` instead."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    with torch.device(device):
+        built = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    if _read_weights_into(built, sorted(Path(model).glob("*.safetensors"))):
+        return built
+    del built
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype, trust_remote_code=trust_remote_code).to(device)
+
+
+def _read_weights_into(built, files: list[Path]) -> bool:
+    """Copy every tensor of `files` into the parameter of the same name; False (and stop) at a name or type
+    the model lacks, or when some parameter got no tensor (tied ones count as loaded with their twin)."""
+    import torch
+
+    params = dict(built.named_parameters())
+    loaded: set[int] = set()
+    for path in files:
+        with path.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header, base = json.loads(handle.read(size)), 8 + size
+            header.pop("__metadata__", None)
+            for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+                if name not in params or entry["dtype"] not in _STORED:
+                    return False
+                start, end = entry["data_offsets"]
+                handle.seek(base + start)
+                stored = torch.frombuffer(bytearray(handle.read(end - start)),
+                                          dtype=getattr(torch, _STORED[entry["dtype"]])).reshape(entry["shape"])
+                with torch.no_grad():
+                    params[name].copy_(stored)
+                loaded.add(id(params[name]))
+    return bool(files) and all(id(p) in loaded for p in params.values())
+
+
 class HfRunner:
     """Pools hidden states with transformers on CPU (or `device`), for parity checks and as a fallback."""
 
     def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         info = read_model_info(model)
         self.num_layers, self.hidden_size = info.num_layers, info.hidden_size
         self.device = device
         self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
-        # Straight onto the device, never whole in host memory on the way.
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
-            device_map=None if device == "cpu" else device,
-        ).eval()
+        self.model = _load_model(model, getattr(torch, dtype), device, trust_remote_code).eval()
 
     def extract(self, texts: list[str], layers: list[int], pooling: str) -> Extraction:
         import torch
