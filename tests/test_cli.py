@@ -210,6 +210,14 @@ def test_demo_builds_the_model_and_shows_how_to_query(shared_engine, tiny_model,
     exec(code, namespace)  # the snippet the demo prints really works
     assert namespace["table"].num_rows > 150
 
+    # Run again, as a user would: answered from the store, with no Prefect, torch or vLLM loaded.
+    code = ("import json, sys; from layertap.cli import main; code = main(sys.argv[1:]); "
+            "print(json.dumps([code, sorted(m for m in ('prefect', 'torch', 'vllm') if m in sys.modules)]))")
+    again = subprocess.run([sys.executable, "-c", code, "demo", "--store", str(store)], capture_output=True,
+                           text=True, env=child_env(), cwd=tmp_path, check=True)
+    assert json.loads(again.stdout.splitlines()[-1]) == [0, []], again.stderr
+    assert "extracted  nothing: 192 prompts already embedded" in again.stdout
+
 
 # --- add, status, export, validate, serve -------------------------------------------------------------
 
