@@ -142,7 +142,7 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
         planned = sum(b["num_prompts"] for b in batches)
         if batches:  # refused before any engine work when the output cannot fit
             check_room(store_dir, sum(b["num_prompts"] * len(b["layers"]) for b in batches), key["hidden_size"],
-                       stored_value_bytes(key["stored_dtype"]))
+                       stored_value_bytes(settings.dtype, key["stored_dtype"]))
 
         embedded = refused = tokens = succeeded = extracted = done = 0
         quarantined = []

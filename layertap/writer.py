@@ -50,9 +50,12 @@ def part_id_for(extraction_id: str, layers: list[int], prompt_digest: str) -> st
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
-def stored_value_bytes(dtype: str) -> int:
-    """Bytes one value of an engine of `dtype` takes in the store (before compression)."""
-    return np.dtype(_STORAGE[dtype]).itemsize
+def stored_value_bytes(dtype: str, stored_dtype: str | None = None) -> int:
+    """Bytes one value of an engine of `dtype` takes in the store, stored as `stored_dtype` (default: as the
+    engine's dtype is stored): at most the engine's own width, since a bfloat16 value stored as float32 has
+    two all-zero low bytes, which split into byte planes compress to almost nothing."""
+    engine = 2 if dtype in ("bfloat16", "float16") else 4
+    return min(engine, np.dtype(_STORAGE[stored_dtype or dtype]).itemsize)
 
 
 def layer_column(layer: int) -> str:

@@ -238,3 +238,13 @@ def test_a_file_that_fails_fails_the_batch_after_the_others_finish(tmp_path, mon
     assert not list((tmp_path / "staging").iterdir())
     written = sorted(p.name for p in (tmp_path / "parts" / "e").iterdir())
     assert written == ["p-0.parquet", "p-1.parquet", "p-2.parquet"]  # left unpublished, for a retry to replace
+
+
+def test_the_room_a_value_needs_is_at_most_the_engine_s_own_width():
+    """What a run's free-space check counts per value: a bfloat16 value stored as float32 has two all-zero
+    low bytes, which the byte-plane split compresses away."""
+    from layertap.writer import stored_value_bytes
+
+    assert stored_value_bytes("float32") == 4 and stored_value_bytes("float32", "float16") == 2
+    assert stored_value_bytes("bfloat16") == stored_value_bytes("bfloat16", "float32") == 2
+    assert stored_value_bytes("float16") == 2
