@@ -7,6 +7,7 @@ plainest possible code: no padding, no batching tricks, the model's own forward.
 from __future__ import annotations
 
 import gc
+import logging
 import json
 from pathlib import Path
 
@@ -16,8 +17,14 @@ from layertap.errors import EngineError
 from layertap.model_fingerprint import parameter_count, read_model_info
 from layertap.runner.base import POOLINGS, Extraction
 
+log = logging.getLogger(__name__)
+
 # GPU memory the reference needs beyond its weights: one short prompt's activations, the allocator's slack.
 REFERENCE_SLACK_BYTES = 2 * 2**30
+# What the engine's default share leaves free beyond that: the CUDA context of the process computing the
+# reference, and what vLLM holds beyond its share (on an H100 with a 7B model, leaving exactly the
+# reference's bytes left it 0.1 GB short).
+ENGINE_MARGIN_BYTES = 3 * 2**30
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -124,8 +131,14 @@ def reference_placement(model: str, engine_dtype: str) -> tuple[str, str]:
 
     if torch.cuda.is_available():
         needed = reference_bytes(model, engine_dtype)
-        if needed is not None and needed <= torch.cuda.mem_get_info()[0]:
+        free = torch.cuda.mem_get_info()[0]
+        if needed is not None and needed <= free:
             return "cuda", engine_dtype
+        count = parameter_count(model)
+        log.warning("parity reference on the CPU in float32 (%s of host memory): the GPU has %.1f GB free, it "
+                    "needs %s; a lower --gpu-memory-utilization leaves it room",
+                    f"{count * 4 / 1e9:.1f} GB" if count else "the whole model", free / 1e9,
+                    f"{needed / 1e9:.1f} GB" if needed else "an unknown amount (no safetensors weights)")
     return "cpu", "float32"
 
 

@@ -97,17 +97,18 @@ def _as_numpy(vectors: torch.Tensor) -> np.ndarray:
 
 def default_gpu_memory_share(options: EngineOptions) -> float:
     """The engine's share of the GPU when none is asked for: vLLM's 0.9, less the room the parity reference
-    needs to run beside it in the engine's dtype (`hf_runner.reference_bytes`), as long as the engine keeps
+    needs to run beside it in the engine's dtype (`hf_runner.reference_bytes`, plus `ENGINE_MARGIN_BYTES`
+    for the reference's own CUDA context and what vLLM takes beyond its share), as long as the engine keeps
     at least half the device. Extraction is prefill only: the KV cache holds only the prompts in flight, so a
     smaller share costs no speed."""
     from vllm.platforms import current_platform
 
-    from layertap.runner.hf_runner import reference_bytes
+    from layertap.runner.hf_runner import ENGINE_MARGIN_BYTES, reference_bytes
 
     needed = reference_bytes(options.model, options.dtype) if options.load_format != "dummy" else None
     if not needed:
         return 0.9
-    share = 1.0 - needed / current_platform.get_device_total_memory(0)
+    share = 1.0 - (needed + ENGINE_MARGIN_BYTES) / current_platform.get_device_total_memory(0)
     return round(min(0.9, share), 3) if share >= 0.5 else 0.9
 
 
