@@ -25,7 +25,7 @@ from prefect.utilities.annotations import quote
 from layertap import engine_cache, faults
 from layertap import progress as run_progress
 from layertap.disk_space import check_room
-from layertap.errors import EngineError, StoreUnwritable
+from layertap.errors import EngineError, ModelUnusable, StoreUnwritable
 from layertap.preflight import check_run
 from layertap.registry import Registry
 from layertap.report import run_summary
@@ -170,8 +170,8 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
             nonlocal extracted, done
             try:
                 part = _extracted(future, store_dir, key["store_uuid"], batch, settings)
-            except StoreUnwritable:
-                raise  # the store's disk, not the batch: every later batch would fail the same way
+            except (StoreUnwritable, ModelUnusable):
+                raise  # the store's disk or the model, not the batch: every later batch would fail the same way
             except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
                 error = " ".join(f"{type(exc).__name__}: {exc}".split())
                 quarantined.append(quarantine_batch(store_dir, batch, error))

@@ -242,12 +242,9 @@ def preflight(settings) -> None:
             raise InputError(f"input: no file matches {pattern}")
     if settings.model:
         from layertap.layers import resolve_layers
-        from layertap.model_fingerprint import read_model_info
+        from layertap.model_fingerprint import check_model_folder
 
-        if not Path(settings.model).expanduser().is_dir():
-            raise InputError(f"model: {settings.model} is not a folder")
-        info = read_model_info(Path(settings.model).expanduser())
-        resolve_layers(settings.layer_spec(), info.num_layers)
+        resolve_layers(settings.layer_spec(), check_model_folder(settings.model, settings.load_format).num_layers)
     from layertap.preflight import check_run
 
     check_run(settings)

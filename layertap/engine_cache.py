@@ -68,7 +68,10 @@ def _runner(settings: Settings):
         if failure is not None:
             raise failure  # the early start failed: its caller sees why (a retry starts afresh)
         closings = _closings
-        runner = start_runner(*engine_start_args(settings))
+        try:
+            runner = start_runner(*engine_start_args(settings))
+        except Exception as exc:
+            raise _model_problem(settings) or exc
         with _lock:
             _started += 1
             if _closings == closings:
@@ -76,6 +79,20 @@ def _runner(settings: Settings):
                 return runner
         runner.close()  # the run ended while its engine started
         raise EngineError("the engine registry was closed while this engine started")
+
+
+def _model_problem(settings: Settings):
+    """Why the model folder cannot start any engine (gone, or without config, weights or tokenizer), as the
+    one-line `ModelUnusable` error that is not retried; None when the folder looks whole and the engine
+    failed for another reason."""
+    from layertap.errors import ModelUnusable
+    from layertap.model_fingerprint import check_model_folder
+
+    try:
+        check_model_folder(settings.model, settings.load_format)
+    except ModelUnusable as problem:
+        return problem
+    return None
 
 
 def engine_start_args(settings: Settings) -> tuple:

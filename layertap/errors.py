@@ -17,6 +17,10 @@ class InputError(LayertapError):
     """An input file, column or setting is unusable."""
 
 
+class ModelUnusable(InputError):
+    """The model folder is missing, or lacks its config, weights or tokenizer: retrying cannot help."""
+
+
 class EngineError(LayertapError):
     """The extraction engine cannot run or produced something unusable."""
 

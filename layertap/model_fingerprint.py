@@ -13,12 +13,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from layertap.errors import InputError
+from layertap.errors import ModelUnusable
 
 WHOLE_FILE_LIMIT = 64 * 2**20
 SAMPLES = 16
 SAMPLE_BYTES = 2**20
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# A tokenizer in any of the forms transformers loads; a folder with none of them cannot tokenise prompts.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt")
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ def read_model_info(model_dir: str | os.PathLike) -> ModelInfo:
     """Read layer count and hidden size from config.json, with a clear error when it is missing."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise InputError(f"model: {model_dir} has no config.json (not a Hugging Face model folder)")
+        raise ModelUnusable(f"model: {model_dir} has no config.json (not a Hugging Face model folder)")
     try:
         config = _text_config(json.loads(path.read_text()))
         return ModelInfo(
@@ -50,7 +52,23 @@ def read_model_info(model_dir: str | os.PathLike) -> ModelInfo:
             max_position_embeddings=config.get("max_position_embeddings"),
         )
     except (KeyError, ValueError, TypeError) as exc:
-        raise InputError(f"model: {path} lacks a usable num_hidden_layers/hidden_size ({exc})") from None
+        raise ModelUnusable(f"model: {path} lacks a usable num_hidden_layers/hidden_size ({exc})") from None
+
+
+def check_model_folder(model_dir: str | os.PathLike, load_format: str | None = None) -> ModelInfo:
+    """Everything an engine needs from the folder before it starts: the folder, its config, weight files (unless
+    the engine makes random ones, `load_format="dummy"`) and a tokenizer. A missing piece is `ModelUnusable`,
+    one line naming it: no retry or new engine brings it back."""
+    root = Path(model_dir).expanduser()
+    if not root.is_dir():
+        raise ModelUnusable(f"model: {model_dir} is not a folder" + ("" if root.exists() else " (it does not exist)"))
+    info = read_model_info(root)
+    files = [p for p in root.iterdir() if p.is_file()]
+    if load_format != "dummy" and not any(p.suffix in WEIGHT_SUFFIXES for p in files):
+        raise ModelUnusable(f"model: {model_dir} has no weight files ({', '.join('*' + s for s in WEIGHT_SUFFIXES)})")
+    if not any(p.name in TOKENIZER_FILES or p.suffix == ".tiktoken" for p in files):
+        raise ModelUnusable(f"model: {model_dir} has no tokenizer ({', '.join(TOKENIZER_FILES)} or *.tiktoken)")
+    return info
 
 
 def parameter_count(model_dir: str | os.PathLike) -> int | None:

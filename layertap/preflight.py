@@ -2,7 +2,7 @@
 exactly as it was.
 
 Each failure names the file, column or setting at fault: inputs that are missing, unreadable, of the wrong
-format or without the text column; a model folder without a config, or with code of its own that the user
+format or without the text column; a model folder without a config, weights or tokenizer, or with code of its own that the user
 has not allowed; layers the model does not have; a store written by another layertap version.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from layertap.errors import InputError
 from layertap.layers import resolve_layers
-from layertap.model_fingerprint import read_model_info
+from layertap.model_fingerprint import check_model_folder
 from layertap.store import DB_NAME, Store, check_inputs
 
 
@@ -40,9 +40,7 @@ def check_run(settings) -> None:
     check_inputs(list(settings.input), settings.text_column)
     if settings.model:
         model = Path(settings.model).expanduser()
-        if not model.is_dir():
-            raise InputError(f"model: {settings.model} is not a folder")
-        info = read_model_info(model)
+        info = check_model_folder(settings.model, settings.load_format)
         check_model_code(model, settings.trust_remote_code)
         resolve_layers(settings.layer_spec(), info.num_layers)
     if (settings.store_path() / DB_NAME).is_file():

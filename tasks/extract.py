@@ -15,7 +15,7 @@ from layertap import faults
 from layertap import validate as checks
 from layertap.engine_cache import discard_if_dead, get_runner
 from layertap.disk_space import as_unwritable
-from layertap.errors import StoreUnwritable, ValidationError
+from layertap.errors import ModelUnusable, StoreUnwritable, ValidationError
 from layertap.settings import Settings
 from layertap.split_on_oom import extract_splitting
 from layertap.store import StoreDB
@@ -59,10 +59,11 @@ def _renewed(settings: Settings):
 
 
 def heals_on_retry(task, task_run, state) -> bool:
-    """Retry any failure but the store's disk being full or read-only, which no retry can mend."""
+    """Retry any failure but the store's disk being full or read-only, or the model folder being unusable
+    (gone, or without weights or tokenizer), which no retry or new engine can mend."""
     try:
         state.result()
-    except StoreUnwritable:
+    except (StoreUnwritable, ModelUnusable):
         return False
     except BaseException:  # noqa: BLE001 - any other failure may be the engine's, which a retry can mend
         return True

@@ -167,3 +167,70 @@ def test_a_run_that_cannot_fit_is_refused_with_the_numbers(run, tmp_path, monkey
                                               r"\(prompt x layer\) x 128 values x 4 bytes\)"):
         run()
     assert engine_cache.runner_requests() == requests  # no batch asked for the engine
+
+
+def model_copy(tiny_model, tmp_path, drop: str | None = None):
+    """A copy of the tiny model (an engine of its own), less its weight or tokenizer files."""
+    import shutil
+
+    model = tmp_path / "model-copy"
+    shutil.copytree(tiny_model, model)
+    for path in model.iterdir():
+        weights = path.suffix == ".safetensors"
+        tokenizer = path.name.startswith("tokenizer") or path.name == "special_tokens_map.json"
+        if drop == "weights" and weights or drop == "tokenizer" and tokenizer:
+            path.unlink()
+    return model
+
+
+@pytest.mark.parametrize("missing", ["folder", "weights", "tokenizer"])
+def test_a_missing_model_fails_once_with_one_line_naming_it(missing, tiny_model, tmp_path):
+    """Refused before any batch: no engine start, no retry, no "first batches failed"."""
+    from flows.embed import embed_flow
+    from layertap.errors import ModelUnusable
+
+    model = tmp_path / "nowhere" if missing == "folder" else model_copy(tiny_model, tmp_path, drop=missing)
+    source = tmp_path / "in.csv"
+    source.write_text("text\n" + "".join(f"{t}\n" for t in TEXTS))
+    requests = engine_cache.runner_requests()
+    state = embed_flow(input=[str(source)], model=str(model), store=str(tmp_path / "store"), env_file=None,
+                       return_state=True)
+    expected = {"folder": r"is not a folder \(it does not exist\)", "weights": r"has no weight files \(\*\.safetensors",
+                "tokenizer": r"has no tokenizer \(tokenizer\.json"}[missing]
+    with pytest.raises(ModelUnusable, match=rf"^model: {model} {expected}") as raised:
+        state.result()
+    assert "\n" not in str(raised.value) and "batches" not in str(raised.value)
+    assert extract_run_counts(state.state_details.flow_run_id) == []
+    assert engine_cache.runner_requests() == requests
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_model_that_vanishes_as_its_engine_starts_is_not_retried(tiny_model, tmp_path, monkeypatch):
+    """The folder checked out, then lost its weights as the engine started: the engine's failure is reported
+    as the model's, once; the batch is neither retried nor quarantined, and the run is recorded as failed."""
+    from layertap.errors import ModelUnusable
+    from layertap.registry import read_status
+
+    model = model_copy(tiny_model, tmp_path)
+    start_early = engine_cache.start_early
+
+    def weights_vanish(settings):
+        for path in model.glob("*.safetensors"):
+            path.unlink()
+        return start_early(settings)
+
+    monkeypatch.setattr(engine_cache, "start_early", weights_vanish)
+    source = tmp_path / "in.csv"
+    source.write_text("text\n" + "".join(f"{t}\n" for t in TEXTS))
+    from flows.embed import embed_flow
+
+    state = embed_flow(input=[str(source)], model=str(model), store=str(tmp_path / "store"), layers="0,-1",
+                       batch_size=len(TEXTS), parity_sample=0, env_file=None, return_state=True)
+    with pytest.raises(ModelUnusable, match=rf"^model: {model} has no weight files"):
+        state.result()
+    assert extract_run_counts(state.state_details.flow_run_id) == [1]  # one attempt, no retries
+    logs = run_logs(state.state_details.flow_run_id)
+    assert not [line for line in logs if "batches all failed" in line or "quarantined batch" in line], logs
+    [last] = read_status(tmp_path / "store", last_runs=1)["runs"]
+    assert last["status"] == "failed" and "has no weight files" in last["summary"]["error"]
+    assert not [s for s, _ in statuses(tmp_path / "store") if s == "quarantined"]
