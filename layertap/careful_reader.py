@@ -3,7 +3,9 @@
 One invalid UTF-8 byte in a CSV, or one lone surrogate or broken line in a JSON-lines file, makes DuckDB
 reject the entire file. Real data has such rows, and losing a million good rows over one bad one is worse
 than slow: this reader keeps every row, and marks the bad ones with the reason they cannot be embedded.
-It runs only when the fast scan failed, so clean files never pay for it.
+It runs only when the fast scan failed, so clean files never pay for it. It streams: rows go to the store
+in Arrow batches of bounded size as the file is read, so a file of any size is never held in memory whole
+(a `.json` file holding one JSON array is the exception: it is one JSON value, parsed as one).
 
 Both readers return (row_number, text, reject_reason) columns that follow DuckDB's conventions, so a row
 means the same whichever reader produced it: CSV cells are never NULL (an empty cell is ''), blank JSON
@@ -13,9 +15,9 @@ lines are skipped, a missing key or JSON null is NULL.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import re
+from collections.abc import Iterator
 
 import pyarrow as pa
 
@@ -32,33 +34,137 @@ _JSON_TYPES = ((bool, "boolean"), ((int, float), "number"), (list, "array"), (di
 
 SCHEMA = pa.schema([("row_number", pa.int64()), ("text", pa.string()), ("reject", pa.string())])
 
+# A batch goes to the store once it holds this many rows or characters, whichever comes first.
+BATCH_ROWS = 8192
+BATCH_CHARS = 16 * 2**20
+# Python's csv module refuses cells over 131,072 characters by default; prompts can be longer. A cell over this
+# many characters (usually a quote that is never closed, swallowing the rest of the file) fails the file.
+CSV_CELL_LIMIT = 64 * 2**20
 
-def _table(rows: list[tuple[int, str | None, str | None]]) -> pa.Table:
+
+def _batch(rows: list[tuple[int, str | None, str | None]]) -> pa.RecordBatch:
     numbers, texts, rejects = zip(*rows) if rows else ((), (), ())
-    return pa.table([list(numbers), list(texts), list(rejects)], schema=SCHEMA)
+    return pa.record_batch([list(numbers), list(texts), list(rejects)], schema=SCHEMA)
 
 
-def read_csv_rows(path: str, text_column: str, delimiter: str = ",") -> pa.Table:
-    """Cells with bytes that are not UTF-8 are rejected; every other row is kept as it is."""
-    with open(path, "rb") as handle:
-        decoded = handle.read().decode("utf-8", errors="surrogateescape")
-    reader = csv.reader(io.StringIO(decoded, newline=""), delimiter=delimiter)
-    header = next(reader, None)
-    if header is None:
-        raise InputError(f"{path}: empty file, no header row")
-    header = [name.lstrip("\ufeff") if i == 0 else name for i, name in enumerate(header)]
-    if text_column not in header:
-        shown = ", ".join(_SURROGATE.sub("\ufffd", name) for name in header)
-        raise InputError(f"{path}: no column {text_column!r} (columns: {shown})")
-    index = header.index(text_column)
-    rows = []
-    for number, record in enumerate(reader):
-        cell = record[index] if index < len(record) else ""
-        if _SURROGATE.search(cell):
-            rows.append((number, None, REJECT_BAD_UTF8))
-        else:
-            rows.append((number, cell, None))
-    return _table(rows)
+class CarefulRows:
+    """The (row_number, text, reject) rows of one file, read as a stream of Arrow batches.
+
+    The header (CSV) or the file's shape (JSON array or lines) is checked when this is made; a problem met
+    while streaming (a cell too long to be one, no JSON object in the whole file) is raised from `batches()`
+    and kept in `error`, so a caller whose reader was consumed by DuckDB can raise it as it was.
+    """
+
+    def __init__(self, path: str, text_column: str, kind: str, delimiter: str = ",") -> None:
+        self.path, self.text_column, self.kind, self.delimiter = path, text_column, kind, delimiter
+        self.error: InputError | None = None
+        self.index = self.columns = 0
+        if kind == "csv":
+            self.index, self.columns = self._csv_header()
+
+    def reader(self) -> pa.RecordBatchReader:
+        return pa.RecordBatchReader.from_batches(SCHEMA, self.batches())
+
+    def table(self) -> pa.Table:
+        return pa.Table.from_batches(list(self.batches()), schema=SCHEMA)
+
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        rows: list[tuple[int, str | None, str | None]] = []
+        chars = 0
+        try:
+            for row in self._csv_rows() if self.kind == "csv" else self._json_rows():
+                rows.append(row)
+                chars += len(row[1] or "")
+                if len(rows) >= BATCH_ROWS or chars >= BATCH_CHARS:
+                    yield _batch(rows)
+                    rows, chars = [], 0
+        except InputError as exc:
+            self.error = exc
+            raise
+        if rows:
+            yield _batch(rows)
+
+    def _open_text(self):
+        return open(self.path, encoding="utf-8", errors="surrogateescape", newline="")
+
+    def _csv_header(self) -> tuple[int, int]:
+        with self._open_text() as handle:
+            header = next(csv.reader(handle, delimiter=self.delimiter), None)
+        if header is None:
+            raise InputError(f"{self.path}: empty file, no header row")
+        header = [name.lstrip("\ufeff") if i == 0 else name for i, name in enumerate(header)]
+        if self.text_column not in header:
+            shown = ", ".join(_SURROGATE.sub("\ufffd", name) for name in header)
+            raise InputError(f"{self.path}: no column {self.text_column!r} (columns: {shown})")
+        return header.index(self.text_column), len(header)
+
+    def _csv_rows(self) -> Iterator[tuple[int, str | None, str | None]]:
+        """Cells with bytes that are not UTF-8 are rejected; every other row is kept as it is."""
+        csv.field_size_limit(CSV_CELL_LIMIT)
+        with self._open_text() as handle:
+            reader = csv.reader(handle, delimiter=self.delimiter)
+            next(reader)
+            number = 0
+            while True:
+                try:
+                    record = next(reader)
+                except StopIteration:
+                    return
+                except csv.Error as exc:
+                    reason = str(exc)
+                    if "field larger than field limit" in reason:
+                        reason = f"a cell longer than {CSV_CELL_LIMIT:,} characters (a quote never closed?)"
+                    raise InputError(f"{self.path}: line {reader.line_num}: cannot read as CSV: {reason}") from None
+                cell = record[self.index] if self.index < len(record) else ""
+                yield (number, None, REJECT_BAD_UTF8) if _SURROGATE.search(cell) else (number, cell, None)
+                number += 1
+
+    def _json_lines(self) -> Iterator[str]:
+        with open(self.path, "rb") as handle:
+            start = handle.read(4096).lstrip()
+            handle.seek(0)
+            if start.startswith(b"["):  # a .json file holding one array of records: one value, parsed whole
+                content = handle.read().decode("utf-8", errors="surrogateescape")
+                try:
+                    records = json.loads(content)
+                except (ValueError, TypeError):
+                    raise InputError(f"{self.path}: cannot read as JSON: not a valid JSON array") from None
+                del content
+                for record in records:
+                    yield json.dumps(record)
+                return
+            for raw in handle:
+                yield raw.decode("utf-8", errors="surrogateescape").rstrip("\n")
+
+    def _json_rows(self) -> Iterator[tuple[int, str | None, str | None]]:
+        """One record per non-blank line; a line that is not JSON, or whose value is not text, is rejected.
+
+        A file in which no line is a JSON object is not JSON lines at all, and fails as a whole.
+        """
+        number, objects, has_column = 0, 0, False
+        for line in self._json_lines():
+            if not line.strip():
+                continue
+            if _SURROGATE.search(line):  # raw bytes that are not UTF-8 (escaped surrogates are plain ASCII here)
+                row = (number, None, REJECT_BAD_UTF8)
+            else:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    record, row = None, (number, None, REJECT_BAD_JSON)
+                else:
+                    if not isinstance(record, dict):
+                        row = (number, None, REJECT_NOT_OBJECT)
+                    else:
+                        objects += 1
+                        has_column = has_column or self.text_column in record
+                        row = (number, *_json_value(record.get(self.text_column)))
+            yield row
+            number += 1
+        if not objects:
+            raise InputError(f"{self.path}: cannot read as JSON lines: no line holds a JSON object")
+        if not has_column:
+            raise InputError(f"{self.path}: no column {self.text_column!r} in any record")
 
 
 def _json_value(value) -> tuple[str | None, str | None]:
@@ -72,41 +178,11 @@ def _json_value(value) -> tuple[str | None, str | None]:
     return None, NOT_TEXT.format(type(value).__name__)
 
 
-def read_json_lines(path: str, text_column: str) -> pa.Table:
-    """One record per non-blank line; a line that is not JSON, or whose value is not text, is rejected.
+def read_csv_rows(path: str, text_column: str, delimiter: str = ",") -> pa.Table:
+    """All rows of a CSV file as one table (small files and tests; the store streams `CarefulRows`)."""
+    return CarefulRows(path, text_column, "csv", delimiter).table()
 
-    A file in which no line is a JSON object is not JSON lines at all, and fails as a whole.
-    """
-    with open(path, "rb") as handle:
-        content = handle.read().decode("utf-8", errors="surrogateescape")
-    if content.lstrip().startswith("["):  # a .json file holding one array of records
-        try:
-            lines = [json.dumps(record) for record in json.loads(content)]
-        except (ValueError, TypeError):
-            raise InputError(f"{path}: cannot read as JSON: not a valid JSON array") from None
-    else:
-        lines = content.split("\n")
-    rows, objects, has_column = [], 0, False
-    for line in lines:
-        if not line.strip():
-            continue
-        number = len(rows)
-        if _SURROGATE.search(line):  # raw bytes that are not UTF-8 (escaped surrogates are plain ASCII here)
-            rows.append((number, None, REJECT_BAD_UTF8))
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            rows.append((number, None, REJECT_BAD_JSON))
-            continue
-        if not isinstance(record, dict):
-            rows.append((number, None, REJECT_NOT_OBJECT))
-            continue
-        objects += 1
-        has_column = has_column or text_column in record
-        rows.append((number, *_json_value(record.get(text_column))))
-    if not objects:
-        raise InputError(f"{path}: cannot read as JSON lines: no line holds a JSON object")
-    if not has_column:
-        raise InputError(f"{path}: no column {text_column!r} in any record")
-    return _table(rows)
+
+def read_json_lines(path: str, text_column: str) -> pa.Table:
+    """All rows of a JSON-lines (or JSON array) file as one table (small files and tests)."""
+    return CarefulRows(path, text_column, "json").table()

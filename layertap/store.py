@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from layertap import faults
+from layertap.careful_reader import CarefulRows
 from layertap.errors import InputError, StoreError
 from layertap.file_modes import drop_world_write, make_dirs
 from layertap.model_fingerprint import fingerprint_model, read_model_info
@@ -91,6 +92,17 @@ CREATE TABLE IF NOT EXISTS part_prompts (part_id VARCHAR NOT NULL, prompt_hash {
 {_ADDED_IN_2}"""
 # The big tables (rows, row_prompts, prompts, planned, part_prompts) have no keys on purpose: a key index on
 # 700k random hashes doubles the cost of inserting them. The anti-joins that insert them keep them unique.
+
+# DuckDB's own default: a CSV line longer than this is rejected (its scan buffers are sized from it).
+MAX_CSV_LINE_BYTES = 2_000_000
+# Reasons for the CSV lines DuckDB cannot parse, by its error type (others read "malformed CSV: <type>").
+MALFORMED_CSV = {
+    "INVALID ENCODING": "invalid UTF-8 bytes",
+    "TOO MANY COLUMNS": "malformed CSV: too many columns",
+    "MISSING COLUMNS": "malformed CSV: missing columns",
+    "UNQUOTED VALUE": "malformed CSV: a quote not closed where the cell ends",
+    "LINE SIZE OVER MAXIMUM": f"malformed CSV: line over {MAX_CSV_LINE_BYTES:,} bytes",
+}
 
 _READERS = {
     ".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".jsonl": "json", ".ndjson": "json", ".json": "json"
@@ -167,6 +179,8 @@ class IngestReport:
     rows_total: int
     rows_new: int
     sources: list[str]
+    # One line per CSV file with lines DuckDB could not parse: how many (each a rejected row), the first's line.
+    malformed: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -381,9 +395,10 @@ def check_inputs(paths: list[str], text_column: str) -> list[str]:
             try:
                 _row_source_sql(con, path, text_column)
             except _ScanRefused as refused:
-                if not refused.recoverable:
-                    raise refused.as_input_error(path) from None
-                _careful_rows(path, text_column)
+                reader = _next_reader(con, path, text_column, refused)
+                if isinstance(reader, CarefulRows) and reader.kind == "json":  # any record with the column?
+                    for _ in reader.batches():
+                        pass
     return files
 
 
@@ -395,13 +410,24 @@ _JSON_NOT_TEXT = {
 _TEXT_TYPES = ("VARCHAR", "BLOB")
 
 
-def _row_source_sql(con: duckdb.DuckDBPyConnection, path: str, text_column: str) -> tuple[str, dict]:
+@dataclass(frozen=True)
+class _Scan:
+    """SQL yielding (row_number, text, reject) for one file; for a CSV, the temporary table where DuckDB
+    records the lines it could not parse (`_record_malformed` turns them into rejected rows)."""
+
+    sql: str
+    params: dict
+    rejects: str | None = None
+
+
+def _row_source_sql(con: duckdb.DuckDBPyConnection, path: str, text_column: str) -> _Scan:
     """SQL yielding (row_number, text, reject) for one file, after checking it is readable and has the column.
 
     Row numbers follow file order: WITH ORDINALITY runs as an order-preserving streaming window over the
     scan. CSV has no NULL, so an empty cell is '' (rejected as empty); a JSON or Parquet null stays NULL
     (rejected as null text). JSON numbers, booleans, arrays and objects, and Parquet columns that do not
-    hold text, are rejected as `not text: <type>` rather than embedded as their printed form.
+    hold text, are rejected as `not text: <type>` rather than embedded as their printed form. A CSV this
+    sniffing scan refuses is read again by `_csv_rejects_scan`.
     """
     if os.path.getsize(path) == 0:
         raise InputError(f"{path}: the file is empty (not even a header or one record)")
@@ -423,6 +449,8 @@ def _row_source_sql(con: duckdb.DuckDBPyConnection, path: str, text_column: str)
         raise _ScanRefused(kind, exc) from None
     columns = {row[0]: row[1] for row in described}
     if text_column not in columns:
+        if kind == "csv":  # the sniffer may have guessed the dialect wrong: the RFC 4180 reading decides
+            raise _ScanRefused(kind, f"no column {text_column!r} (columns: {', '.join(columns)})")
         raise InputError(f"{path}: no column {text_column!r} (columns: {', '.join(columns)})")
     col = _quote_ident(text_column)
     if kind == "csv":
@@ -445,29 +473,104 @@ def _row_source_sql(con: duckdb.DuckDBPyConnection, path: str, text_column: str)
             f"     THEN CASE json_type({col}) {kinds} ELSE 'not text: ' || lower(json_type({col})) END END AS reject "
             "FROM read_json($path, columns = $columns) WITH ORDINALITY"
         )
-    return sql, params
+    return _Scan(sql, params)
+
+
+def _csv_rejects_scan(con: duckdb.DuckDBPyConnection, path: str, text_column: str) -> _Scan:
+    """The scan for a CSV file the sniffing scan refused: RFC 4180 quoting (as the careful reader reads it),
+    columns named from the header, and DuckDB's rejects table for the lines it cannot parse (bytes that are
+    not UTF-8, a column too many or too few, a quote never closed, a line over MAX_CSV_LINE_BYTES), so one
+    bad line near the end of a large file costs that line, not the file. It streams like any DuckDB scan."""
+    header = _careful_rows(path, text_column)  # reads the header only; names a missing column
+    rejects = f"layertap_csv_rejects_{uuid.uuid4().hex[:16]}"
+    params = {"path": path, "delim": header.delimiter,
+              "columns": {f"c{i}": "VARCHAR" for i in range(header.columns)}}
+    scan = ("read_csv($path, auto_detect = false, header = true, delim = $delim, quote = '\"', escape = '\"', "
+            f"columns = $columns, max_line_size = {MAX_CSV_LINE_BYTES}, store_rejects = true, "
+            f"rejects_table = '{rejects}', rejects_scan = '{rejects}_scans')")
+    try:
+        con.execute(f"DESCRIBE SELECT * FROM {scan}", params).fetchall()
+    except duckdb.Error as exc:
+        raise _ScanRefused("csv", exc) from None
+    finally:
+        _drop_rejects(con, rejects)
+    sql = (f"SELECT ordinality - 1 AS row_number, coalesce(c{header.index}, '') AS text, NULL AS reject "
+           f"FROM {scan} WITH ORDINALITY")
+    return _Scan(sql, params, rejects)
+
+
+def _next_reader(con: duckdb.DuckDBPyConnection, path: str, text_column: str, refused: _ScanRefused, source=None):
+    """What reads a file after `source` (the sniffing scan when None) was refused: for a CSV, the scan with a
+    rejects table, then the careful reader; for JSON lines, the careful reader."""
+    if not refused.recoverable:
+        raise refused.as_input_error(path) from None
+    if refused.kind == "csv" and (source is None or isinstance(source, _Scan) and source.rejects is None):
+        try:
+            return _csv_rejects_scan(con, path, text_column)
+        except _ScanRefused as again:
+            if not again.recoverable:
+                raise again.as_input_error(path) from None
+    return _careful_rows(path, text_column)
+
+
+def _drop_rejects(con: duckdb.DuckDBPyConnection, rejects: str) -> None:
+    for table in (rejects, f"{rejects}_scans", f"{rejects}_rows"):
+        con.execute(f"DROP TABLE IF EXISTS temp.{_quote_ident(table)}")
+
+
+def _record_malformed(con: duckdb.DuckDBPyConnection, path: str, rejects: str) -> tuple[int, str | None]:
+    """The CSV lines DuckDB could not parse in this scan, as rejected rows of the file; returns how many, and
+    one line naming the file, the first such line and what is wrong with it.
+
+    DuckDB's `line` counts records from the header (1): a record's row number is `line - 2`. The rows read
+    were numbered 0, 1, ... without them, so each moves up by the rejected lines before it: row g becomes
+    g + k, where k counts the rejected records r_j with r_j - (j - 1) <= g (j = 1, 2, ... in line order).
+    """
+    exists = _one(con, "SELECT count(*) FROM duckdb_tables() WHERE table_name = $t", {"t": rejects})[0]
+    if not exists or not _one(con, f"SELECT count(*) FROM temp.{_quote_ident(rejects)}")[0]:
+        return 0, None
+    bad = _quote_ident(f"{rejects}_rows")
+    reasons = " ".join(f"WHEN {_quote_literal(kind)} THEN {_quote_literal(reason)}" for kind, reason in MALFORMED_CSV.items())
+    con.execute(f"""
+        CREATE TEMP TABLE {bad} AS
+        SELECT line - 2 AS r, line, kind, message,
+               CASE kind {reasons} ELSE 'malformed CSV: ' || lower(kind) END AS reason,
+               line - 2 - (row_number() OVER (ORDER BY line) - 1) AS s,
+               row_number() OVER (ORDER BY line) AS k
+        FROM (SELECT line, min_by(CAST(error_type AS VARCHAR), byte_position) AS kind,
+                     min_by(error_message, byte_position) AS message
+              FROM temp.{_quote_ident(rejects)} WHERE line >= 2 GROUP BY line)""")
+    con.execute(f"""
+        UPDATE rows SET row_number = rows.row_number + moved.k
+        FROM (SELECT g.row_number AS g, b.k FROM (SELECT row_number FROM rows WHERE source = $path) g
+              ASOF JOIN (SELECT s, max(k) AS k FROM {bad} GROUP BY s) b ON g.row_number >= b.s) moved
+        WHERE rows.source = $path AND rows.row_number = moved.g""", {"path": path})
+    con.execute(f"INSERT INTO rows SELECT $path, r, NULL, reason FROM {bad}", {"path": path})
+    count, line, reason, message = _one(
+        con, f"SELECT count(*), min(line), arg_min(reason, line), arg_min(message, line) FROM {bad}")
+    lines = "line" if count == 1 else "lines"
+    return count, (f"{path}: {count} malformed CSV {lines} rejected, the first at line {line}: {reason} "
+                   f"({' '.join(str(message).split())})")
 
 
 class _ScanRefused(Exception):
     """DuckDB could not scan a whole file; some of these the careful reader can still read row by row."""
 
-    def __init__(self, kind: str, exc: duckdb.Error):
+    def __init__(self, kind: str, exc: duckdb.Error | str):
         super().__init__(_first_line(exc))
         self.kind = kind
         message = str(exc)
-        self.recoverable = kind == "csv" and "CSV Error" in message or kind == "json" and "Malformed JSON" in message
+        self.recoverable = (kind == "csv" and ("CSV Error" in message or "sniffing" in message or "no column" in message)
+                            or kind == "json" and "Malformed JSON" in message)
 
     def as_input_error(self, path: str) -> InputError:
         return InputError(f"{path}: cannot read as {self.kind}: {self}")
 
 
-def _careful_rows(path: str, text_column: str) -> pa.Table:
-    from layertap.careful_reader import read_csv_rows, read_json_lines
-
+def _careful_rows(path: str, text_column: str) -> CarefulRows:
+    """The row-by-row reader for a file DuckDB refused whole; it streams."""
     kind = _READERS[Path(path).suffix.lower()]
-    if kind == "csv":
-        return read_csv_rows(path, text_column, "\t" if path.lower().endswith(".tsv") else ",")
-    return read_json_lines(path, text_column)
+    return CarefulRows(path, text_column, kind, "\t" if path.lower().endswith(".tsv") else ",")
 
 
 def part_path(root: Path, relpath: str) -> Path:
@@ -594,6 +697,7 @@ class StoreDB:
         """
         files = expand_inputs(paths)
         read = skipped = total = new = 0
+        malformed: list[str] = []
         with self._connect() as con:
             changed = []
             for path in files:
@@ -608,17 +712,18 @@ class StoreDB:
                 try:
                     changed.append((path, fingerprint, _row_source_sql(con, path, text_column)))
                 except _ScanRefused as refused:
-                    if not refused.recoverable:
-                        raise refused.as_input_error(path) from None
-                    changed.append((path, fingerprint, _careful_rows(path, text_column)))
+                    changed.append((path, fingerprint, _next_reader(con, path, text_column, refused)))
             for path, fingerprint, source in changed:
-                n = self._replace_rows(con, path, fingerprint, text_column, source)
+                n, note = self._replace_rows(con, path, fingerprint, text_column, source)
+                if note:
+                    malformed.append(note)
                 faults.hit("ingest.committed")
                 read += 1
                 total += n
                 new += n
         return IngestReport(
-            sources_read=read, sources_skipped=skipped, rows_total=total, rows_new=new, sources=files
+            sources_read=read, sources_skipped=skipped, rows_total=total, rows_new=new, sources=files,
+            malformed=malformed,
         )
 
     def changed_sources(self, paths: list[str], text_column: str) -> list[str]:
@@ -641,37 +746,48 @@ class StoreDB:
 
     @staticmethod
     def _replace_rows(
-        con: duckdb.DuckDBPyConnection, path: str, fingerprint: str, text_column: str, source: tuple | pa.Table
-    ) -> int:
-        """Swap one file's rows in one transaction; a fast scan that trips on a bad row falls back to the
-        careful reader, which keeps every row and marks the bad ones."""
-        for attempt in ("fast", "careful"):
+        con: duckdb.DuckDBPyConnection, path: str, fingerprint: str, text_column: str, source
+    ) -> tuple[int, str | None]:
+        """Swap one file's rows in one transaction; returns how many, and a line about the CSV lines DuckDB
+        could not parse (each kept as a rejected row) if there were any. A scan DuckDB refuses as a whole
+        falls back to the next reader (`_next_reader`), the last being the careful reader, which keeps every
+        row and marks the bad ones."""
+        while True:
             con.begin()
+            note = None
             try:
                 con.execute("DELETE FROM rows WHERE source = $path", {"path": path})
                 con.execute("DELETE FROM row_prompts WHERE source = $path", {"path": path})
-                if isinstance(source, pa.Table):
-                    con.register("careful_rows", source)
-                    n = _one(con, "INSERT INTO rows SELECT $path, row_number, text, reject FROM careful_rows",
-                             {"path": path})[0]
-                    con.unregister("careful_rows")
+                if isinstance(source, CarefulRows):
+                    con.register("careful_rows", source.reader())
+                    try:
+                        n = _one(con, "INSERT INTO rows SELECT $path, row_number, text, reject FROM careful_rows",
+                                 {"path": path})[0]
+                    finally:
+                        con.unregister("careful_rows")
                 else:
-                    sql, params = source
-                    n = _one(con, f"INSERT INTO rows SELECT $path, row_number, text, reject FROM ({sql})",
-                             params)[0]
+                    n = _one(con, f"INSERT INTO rows SELECT $path, row_number, text, reject FROM ({source.sql})",
+                             source.params)[0]
+                    if source.rejects:
+                        malformed, note = _record_malformed(con, path, source.rejects)
+                        n += malformed
+                        _drop_rejects(con, source.rejects)
                 faults.hit("ingest.before-commit")
                 con.execute(
                     "INSERT OR REPLACE INTO sources VALUES (?, ?, ?, ?, now())", [path, fingerprint, text_column, n]
                 )
                 con.commit()
-                return n
+                return n, note
             except duckdb.Error as exc:
                 con.rollback()
-                refused = _ScanRefused(_READERS[Path(path).suffix.lower()], exc)
-                if attempt == "careful" or isinstance(source, pa.Table) or not refused.recoverable:
-                    raise refused.as_input_error(path) from None
-                source = _careful_rows(path, text_column)
-        raise AssertionError("unreachable")
+                if isinstance(source, CarefulRows):
+                    if source.error is not None:  # the reader's own one-line reason, not DuckDB's wrapping of it
+                        raise source.error from None
+                    raise _ScanRefused(source.kind, exc).as_input_error(path) from None
+                if source.rejects:
+                    _drop_rejects(con, source.rejects)
+                source = _next_reader(con, path, text_column, _ScanRefused(_READERS[Path(path).suffix.lower()], exc),
+                                      source)
 
     def normalise(self, rules: NormaliseRules) -> NormaliseReport:
         """Give every row not yet seen under these rules its prompt (or reject reason); add new prompts.

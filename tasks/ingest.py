@@ -14,7 +14,10 @@ from layertap.store import StoreDB
 def ingest(store: str, inputs: list[str], text_column: str) -> dict:
     """Always runs: the store itself decides what is new, so a rerun costs one fingerprint per file."""
     report = asdict(StoreDB(store).ingest(list(inputs), text_column))
-    get_run_logger().info(
+    logger = get_run_logger()
+    for line in report["malformed"]:
+        logger.warning("ingest: %s", line)
+    logger.info(
         "ingest: %d rows from %d sources (%d new rows, %d sources unchanged)",
         report["rows_total"],
         report["sources_read"] + report["sources_skipped"],

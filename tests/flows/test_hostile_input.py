@@ -29,10 +29,17 @@ def hostile_csv(path: Path) -> list[tuple[str, str | None]]:
         rows.append((f"plain csv prompt {i % 50}".encode(), None))  # 50 distinct, each twice
     for i in range(5):
         rows.append((long_text(i).encode(), ("rejected", "too long")))
+    rows.append((("y" * 200_000).encode(), ("rejected", "too long")))  # past Python csv's 131,072 limit
+    # Lines DuckDB cannot parse, the last one running to the end of the file: rejected where they stand.
+    raw = {len(rows): b"x,too,many,columns\n"}
+    rows.append((b"", ("rejected", "malformed CSV: too many columns")))
+    rows.append((b"after the malformed line", None))
+    raw[len(rows)] = b'z,"a quote never closed\n'
+    rows.append((b"", ("rejected", "malformed CSV: a quote not closed where the cell ends")))
     with path.open("wb") as handle:
         handle.write(b"id,text\n")
         for n, (cell, _) in enumerate(rows):
-            handle.write(str(n).encode() + b',"' + cell.replace(b'"', b'""') + b'"\n')
+            handle.write(raw.get(n) or str(n).encode() + b',"' + cell.replace(b'"', b'""') + b'"\n')
     return [expected for _, expected in rows]
 
 
@@ -102,8 +109,8 @@ def test_hostile_rows_are_each_rejected_with_their_reason(tiny_model, tmp_path):
     summary = run_flow(tiny_model, sources, tmp_path / "store")
 
     counts = check_ledger(tmp_path / "store", sources, truncated=False)
-    assert counts == {"embedded": 100, "duplicate": 50, "rejected": hostile}
-    assert summary["embedded"] == 100 and summary["refused"] == 10
+    assert counts == {"embedded": 101, "duplicate": 50, "rejected": hostile}
+    assert summary["embedded"] == 101 and summary["refused"] == 11
     assert summary["ledger"]["rows"] == sum(counts.values()) == sum(len(rows) for rows in sources.values())
 
 
