@@ -216,6 +216,8 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
         phase_started = time.perf_counter()
         activity_before = engine_cache.engine_activity(settings)  # both readings lie inside the phase's time
         with run_progress.listen(watch):
+            if batches:
+                report_progress()  # extraction starts: a terminal's bar appears at 0
             fill()
             while in_flight or checking:
                 heads = [queue[0][-1] for queue in (in_flight, checking) if queue]

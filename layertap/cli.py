@@ -86,7 +86,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
 def _progress_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None,
-        help="draw a progress bar on stderr while extracting (default: when stderr is a terminal)",
+        help="draw a progress bar on stderr while extracting: prompts done, rate, time left (default: when "
+             "stderr is a terminal)",
     )
 
 
@@ -284,13 +285,16 @@ def _print_summary(summary: dict, title: str) -> None:
 
 
 def _progress_bar(args: argparse.Namespace):
-    """A bar on stderr when asked for, or by default when stderr is a terminal; else a no-op context."""
+    """A bar on stderr (prompts done, rate, time left) when asked for, or by default when stderr is a
+    terminal; else a no-op context."""
     import contextlib
 
-    from layertap import progress
-
     wanted = args.progress if args.progress is not None else sys.stderr.isatty()
-    return progress.listen(progress.ProgressBar(sys.stderr)) if wanted else contextlib.nullcontext()
+    if not wanted:
+        return contextlib.nullcontext()
+    from layertap.terminal_progress import terminal_progress
+
+    return terminal_progress()
 
 
 # Settings a dataset fixes when it is created; `run --dataset` may not change them.
