@@ -22,6 +22,7 @@ from prefect.logging.handlers import APILogHandler
 from prefect.runtime import deployment, flow_run
 from prefect.utilities.annotations import quote
 
+from flows.store_turn import store_turn
 from layertap import engine_cache, faults
 from layertap import progress as run_progress
 from layertap.disk_space import check_room
@@ -113,8 +114,11 @@ def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
         "lock_timeout": (DEPLOYMENT_LOCK_WAIT_S if deployed else 0.0) if settings.lock_timeout is None
         else settings.lock_timeout,
     })
-    # One writing run per store; readers never wait on it.
-    with library_logs_to_prefect(), store_lock(store_dir, settings.lock_timeout):
+    # One writing run per store; readers never wait on it. Deployment runs first take their store's turn in
+    # Prefect (a concurrency limit per store), then its lock with what is left of the wait.
+    turn = store_turn(store_dir, settings.lock_timeout, logger) if deployed else contextlib.nullcontext(
+        settings.lock_timeout)
+    with library_logs_to_prefect(), turn as lock_wait, store_lock(store_dir, lock_wait):
         return _run_locked(settings, store_dir, dataset, started, logger)
 
 

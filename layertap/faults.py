@@ -10,6 +10,7 @@ is one environment lookup. When set, it holds a comma list of `<point>:<action>`
     die@N       the N-th time, close the engine under the caller and raise `EngineError` (a dead engine)
     poison=S    raise `InjectedFault` whenever a prompt of the batch contains S
     oserror=E   raise `OSError` with errno E (a name, e.g. ENOSPC) every time (a full or read-only disk)
+    wait=PATH   hold this process here until the file PATH exists (a run that keeps the store for a while)
 
 Counters live in this process, so a child process started with the variable counts from zero.
 """
@@ -25,7 +26,7 @@ from typing import Any
 
 ENV = "LAYERTAP_FAULTS"
 
-_SPEC = re.compile(r"^(?P<point>[\w.-]+):(?P<action>kill@|error\*?|oom>|die@|poison=|oserror=)(?P<arg>.*)$")
+_SPEC = re.compile(r"^(?P<point>[\w.-]+):(?P<action>kill@|error\*?|oom>|die@|poison=|oserror=|wait=)(?P<arg>.*)$")
 _lock = threading.Lock()
 _counts: dict[tuple[str, str], int] = {}
 
@@ -40,7 +41,8 @@ def _parse(value: str) -> list[tuple[str, str, str]]:
         match = _SPEC.match(item)
         if match is None:
             raise ValueError(
-                f"{ENV}: cannot read {item!r} (expected <point>:kill@N|error*N|oom>K|die@N|poison=S|oserror=E)")
+                f"{ENV}: cannot read {item!r} "
+                "(expected <point>:kill@N|error*N|oom>K|die@N|poison=S|oserror=E|wait=PATH)")
         faults.append((match["point"], match["action"], match["arg"]))
     return faults
 
@@ -69,6 +71,12 @@ def hit(point: str, texts: Sequence[str] | None = None, engine: Any = None) -> N
         if action == "poison=":
             if texts is not None and any(arg in text for text in texts):
                 raise InjectedFault(f"injected failure at {point}: a prompt contains {arg!r}")
+            continue
+        if action == "wait=":
+            import time
+
+            while not os.path.exists(arg):
+                time.sleep(0.1)
             continue
         n = _count(point, action + arg)
         if action == "oserror=":
