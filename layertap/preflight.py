@@ -2,8 +2,9 @@
 exactly as it was.
 
 Each failure names the file, column or setting at fault: inputs that are missing, unreadable, of the wrong
-format or without the text column; a model folder without a config, weights or tokenizer, or with code of its own that the user
-has not allowed; layers the model does not have; a store written by another layertap version.
+format or without the text column; a model folder without a config, weights or tokenizer, or with code of
+its own that the user has not allowed; layers the model does not have; a store written by another layertap
+version.
 """
 
 from __future__ import annotations

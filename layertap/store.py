@@ -530,7 +530,8 @@ def _record_malformed(con: duckdb.DuckDBPyConnection, path: str, rejects: str) -
     if not exists or not _one(con, f"SELECT count(*) FROM temp.{_quote_ident(rejects)}")[0]:
         return 0, None
     bad = _quote_ident(f"{rejects}_rows")
-    reasons = " ".join(f"WHEN {_quote_literal(kind)} THEN {_quote_literal(reason)}" for kind, reason in MALFORMED_CSV.items())
+    reasons = " ".join(f"WHEN {_quote_literal(kind)} THEN {_quote_literal(reason)}"
+                       for kind, reason in MALFORMED_CSV.items())
     con.execute(f"""
         CREATE TEMP TABLE {bad} AS
         SELECT line - 2 AS r, line, kind, message,
@@ -560,8 +561,8 @@ class _ScanRefused(Exception):
         super().__init__(_first_line(exc))
         self.kind = kind
         message = str(exc)
-        self.recoverable = (kind == "csv" and ("CSV Error" in message or "sniffing" in message or "no column" in message)
-                            or kind == "json" and "Malformed JSON" in message)
+        csv_refused = "CSV Error" in message or "sniffing" in message or "no column" in message
+        self.recoverable = kind == "csv" and csv_refused or kind == "json" and "Malformed JSON" in message
 
     def as_input_error(self, path: str) -> InputError:
         return InputError(f"{path}: cannot read as {self.kind}: {self}")

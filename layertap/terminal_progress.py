@@ -104,8 +104,12 @@ class TerminalProgress:
                 self._swapped.append((console, "file", console.file))
                 console.file = _AboveTheBar(self.console, console.file)
             elif isinstance(handler, logging.StreamHandler) and id(handler.stream) in terminal:
-                self._swapped.append((handler, "stream", handler.stream))
-                handler.stream = _AboveTheBar(self.console, handler.stream)
+                original = handler.stream
+                try:
+                    handler.stream = _AboveTheBar(self.console, original)
+                except AttributeError:  # a handler whose stream is not its own to set (logging's last resort)
+                    continue
+                self._swapped.append((handler, "stream", original))
 
     def stop(self) -> None:
         """End the bar (left on screen as it last was) and give the log handlers their streams back."""

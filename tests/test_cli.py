@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -261,7 +262,7 @@ def test_run_dataset_status_export_validate(shared_engine, tiny_model, tmp_path,
     assert main(["run", "--dataset", "greek", "--store", store, "--parity-sample", "0", "--progress"]) == 0
     captured = capsys.readouterr()
     assert "layertap run (dataset greek): 4 rows (4 new)" in captured.out
-    assert "[##############################] 2/2 prompts, 1/1 batches" in captured.err
+    assert re.search(r"embedding .*2/2 prompts 1/1 batches [\d.]+ prompts/s 0:00:00 left", captured.err), captured.err
     assert main(["run", "--dataset", "greek", "--store", store, "--layers", "1"]) == 1
     assert "--layers: set by dataset greek" in capsys.readouterr().err
 

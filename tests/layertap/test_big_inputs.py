@@ -93,7 +93,8 @@ def test_the_careful_reader_streams_a_file_duckdb_refuses(tmp_path):
     count = 150_000
     with path.open("w") as out:
         for i in range(count):
-            out.write('{"text": "unterminated\n' if i == count - 5 else json.dumps({"text": f"line {i} " + "w" * 40}) + "\n")
+            record = json.dumps({"text": f"line {i} " + "w" * 40})
+            out.write('{"text": "unterminated\n' if i == count - 5 else record + "\n")
     size = path.stat().st_size
     assert size > 9e6
 
