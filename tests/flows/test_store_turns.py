@@ -7,14 +7,27 @@ from __future__ import annotations
 import sys
 import time
 
+import httpx
 import pytest
 from test_prefect_yaml import PREFECT, Server, write_csv
 
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 
 
+def post(server: Server, path: str, body: dict):
+    """The server's answer, asking again while it is too busy to give one (503 on a loaded machine)."""
+    for _ in range(20):
+        try:
+            return server.post(path, body)
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code < 500:
+                raise
+        time.sleep(1)
+    return server.post(path, body)
+
+
 def flow_run(server: Server, run_id: str) -> dict:
-    [run] = server.post("/flow_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
+    [run] = post(server, "/flow_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
     return run
 
 
@@ -48,17 +61,17 @@ def test_a_triggered_run_waits_for_the_store_another_deployment_run_holds(tmp_pa
     try:
         server.wait_healthy()
         server.start("serve", sys.executable, "-m", "layertap.cli", "serve")
-        deployments = wait_until(lambda: {d["name"]: d for d in server.post("/deployments/filter", {})}
-                                 if len(server.post("/deployments/filter", {})) == 3 else None,
+        deployments = wait_until(lambda: {d["name"]: d for d in post(server, "/deployments/filter", {})}
+                                 if len(post(server, "/deployments/filter", {})) == 3 else None,
                                  180, server, "layertap serve did not register the deployments")
 
         def limit() -> dict | None:
-            return next((c for c in server.post("/v2/concurrency_limits/filter", {})
+            return next((c for c in post(server, "/v2/concurrency_limits/filter", {})
                          if c["name"] == limit_name(store)), None)
 
         def start(deployment: str, **parameters) -> str:
-            return server.post(f"/deployments/{deployments[deployment]['id']}/create_flow_run",
-                               {"parameters": parameters})["id"]
+            return post(server, f"/deployments/{deployments[deployment]['id']}/create_flow_run",
+                        {"parameters": parameters})["id"]
 
         # The nightly run takes the store's slot and holds the store.
         nightly = start("embed-nightly", store=str(store))
@@ -67,7 +80,7 @@ def test_a_triggered_run_waits_for_the_store_another_deployment_run_holds(tmp_pa
         triggered = start("embed-new-rows", dataset="turns", store=str(store))
 
         def waiting() -> bool:
-            logs = server.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [triggered]}}})
+            logs = post(server, "/logs/filter", {"logs": {"flow_run_id": {"any_": [triggered]}}})
             return any("waiting for its turn" in log["message"] and limit_name(store) in log["message"]
                        for log in logs)
 

@@ -69,6 +69,9 @@ def test_log_lines_are_printed_above_the_bar_whole(monkeypatch):
     prefect_handler, plain_handler = PrefectConsoleHandler(stream=out), logging.StreamHandler(out)
     prefect_logger.addHandler(prefect_handler)
     plain_logger.addHandler(plain_handler)
+    # Only these handlers: the root logger's (Prefect's, set up by earlier tests) may write to a closed capture.
+    monkeypatch.setattr(prefect_logger, "propagate", False)
+    monkeypatch.setattr(plain_logger, "propagate", False)
     try:
         with terminal_progress(console) as drawer:
             progress.report(progress.Progress(0, 2, 0, 200, 0.0))
