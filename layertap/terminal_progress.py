@@ -2,7 +2,8 @@
 
 While the bar is live, log lines (Prefect's console handler, vLLM's and any other handler writing to the
 terminal) are printed above it, whole, instead of into it: each handler that writes to the terminal gets,
-for the bar's lifetime, a stream that hands complete lines to the bar's console. The bar starts with the
+for the bar's lifetime, a stream that hands complete lines to the bar's console, and whatever else writes
+to `sys.stderr` meanwhile goes through it too (only writes below Python, to the file descriptor, cannot). The bar starts with the
 first progress report (extraction starting) and ends with the last batch, or when the run stops.
 """
 
@@ -82,7 +83,9 @@ class TerminalProgress:
             TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
             TextColumn("{task.fields[batches]} batches"), TextColumn("{task.fields[rate]:.1f} prompts/s"),
             TextColumn("{task.fields[left]} left"),
-            console=self.console, refresh_per_second=4, redirect_stdout=False, redirect_stderr=False,
+            # stderr written while the bar is live (Python's warnings, loggers set up meanwhile, as vLLM's
+            # are when its engine starts) goes above it too; stdout carries the run's result.
+            console=self.console, refresh_per_second=4, redirect_stdout=False, redirect_stderr=True,
         )
         self._task = self.bar.add_task("embedding", total=total, **fields)
         self._route_logs()
