@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,20 +72,23 @@ def check_model_folder(model_dir: str | os.PathLike, load_format: str | None = N
     return info
 
 
+def safetensors_header(handle) -> tuple[dict, int]:
+    """A safetensors file's tensor entries (name -> dtype, shape, data_offsets; its metadata left out) and the
+    offset their data starts at, read from the file's head."""
+    size = int.from_bytes(handle.read(8), "little")
+    header = json.loads(handle.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
 def parameter_count(model_dir: str | os.PathLike) -> int | None:
     """How many weights the folder's safetensors files hold, read from their headers alone; None when it has
     none (weights in another format, or a folder that only has a config)."""
     total, files = 0, sorted(Path(model_dir).glob("*.safetensors"))
     for path in files:
         with path.open("rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(size))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                count = 1
-                for dim in entry["shape"]:
-                    count *= int(dim)
-                total += count
+            header, _ = safetensors_header(handle)
+        total += sum(math.prod(entry["shape"]) for entry in header.values())
     return total if files else None
 
 

@@ -188,6 +188,10 @@ class Settings(BaseSettings):
         return self.store_path().parent / ".layertap" / "tiny-model"
 
 
+# Bytes of one value of each engine dtype.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
 def stored_dtype_for(dtype: str, store_dtype: str | None = None) -> str:
     """The stored dtype of an engine of `dtype`: as asked, else float16 for float16 values, float32 otherwise."""
     return store_dtype or ("float16" if dtype == "float16" else "float32")

@@ -27,8 +27,8 @@ from layertap.careful_reader import CarefulRows
 from layertap.errors import InputError, StoreError
 from layertap.file_modes import drop_world_write, make_dirs
 from layertap.model_fingerprint import fingerprint_model, read_model_info
-from layertap.settings import stored_dtype_for
 from layertap.normalise import REJECT_EMPTY, REJECT_NUL, REJECT_NULL, NormaliseRules
+from layertap.settings import DTYPE_BYTES, stored_dtype_for
 from layertap.sorted_layer import read_layer_sorted
 from layertap.writer import layer_column
 
@@ -330,8 +330,9 @@ def _upgrade(con: duckdb.DuckDBPyConnection, db_path: Path) -> None:
     con.execute(_ADDED_IN_2)
     # Version 3: the dtype each extraction's vectors are stored in (until then, the engine dtype's default).
     con.execute("ALTER TABLE extractions ADD COLUMN IF NOT EXISTS stored_dtype VARCHAR")
-    con.execute("UPDATE extractions SET stored_dtype = CASE WHEN dtype = 'float16' THEN 'float16' ELSE 'float32' END "
-                "WHERE stored_dtype IS NULL")
+    for dtype in DTYPE_BYTES:
+        con.execute("UPDATE extractions SET stored_dtype = ? WHERE dtype = ? AND stored_dtype IS NULL",
+                    [stored_dtype_for(dtype), dtype])
     con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [SCHEMA_VERSION])
     con.commit()
 

@@ -19,11 +19,11 @@ from layertap.writer import layer_column
 
 # Layers of one host buffer are checked a block at a time, each block's scratch (magnitudes) at most this big.
 CHECK_BLOCK_BYTES = 32_000_000
-# Minimum cosine between layertap's vectors and transformers' for the same prompt and layer.
 # float16's largest finite value, and the largest bfloat16 (as its bit pattern, sign cleared) not above it:
 # 65280; the next bfloat16, 65536, would be stored as inf.
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 BFLOAT16_PATTERN_BELOW_FLOAT16_MAX = 0x477F
+# Minimum cosine between layertap's vectors and transformers' for the same prompt and layer.
 PARITY_MIN_COSINE = {"float32": 0.99999, "float16": 0.99, "bfloat16": 0.99}
 
 
@@ -198,9 +198,9 @@ def parity_check(
     engine=None,
 ) -> ParityReport:
     """Recompute `texts` with transformers (`hf_reference`: on the GPU in the engine's dtype where it fits,
-    else in float32 on the CPU) and compare with `vectors` (rows = texts), at the engine dtype's tolerance. Given an
-    engine in another process that can compute the reference (`RunnerClient.reference`), it does, so this
-    process never loads torch."""
+    else in float32 on the CPU) and compare with `vectors` (rows = texts), at the engine dtype's tolerance.
+    Given an engine in another process that can compute the reference (`RunnerClient.reference`), it does,
+    so this process never loads torch."""
     if hasattr(engine, "reference"):
         expected = engine.reference(texts, layers, pooling, trust_remote_code)
     else:

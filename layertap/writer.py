@@ -32,6 +32,7 @@ from layertap import faults
 from layertap.bfloat16 import is_bfloat16, to_float32
 from layertap.file_modes import create_file, make_dirs
 from layertap.layer_views import stacked_view
+from layertap.settings import DTYPE_BYTES
 
 # What each dtype is stored as: a stored dtype (`Settings.stored_dtype`) as itself; a bfloat16 engine's
 # vectors, when given its dtype, as float32, which holds every bfloat16 value exactly (Arrow has no bfloat16).
@@ -54,8 +55,7 @@ def stored_value_bytes(dtype: str, stored_dtype: str | None = None) -> int:
     """Bytes one value of an engine of `dtype` takes in the store, stored as `stored_dtype` (default: as the
     engine's dtype is stored): at most the engine's own width, since a bfloat16 value stored as float32 has
     two all-zero low bytes, which split into byte planes compress to almost nothing."""
-    engine = 2 if dtype in ("bfloat16", "float16") else 4
-    return min(engine, np.dtype(_STORAGE[stored_dtype or dtype]).itemsize)
+    return min(DTYPE_BYTES[dtype], np.dtype(_STORAGE[stored_dtype or dtype]).itemsize)
 
 
 def layer_column(layer: int) -> str:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import gc
 import logging
-import json
 from pathlib import Path
 
 import numpy as np
 
 from layertap.errors import EngineError
-from layertap.model_fingerprint import parameter_count, read_model_info
+from layertap.model_fingerprint import parameter_count, read_model_info, safetensors_header
 from layertap.runner.base import POOLINGS, Extraction
+from layertap.settings import DTYPE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,6 @@ REFERENCE_SLACK_BYTES = 2 * 2**30
 # reference, and what vLLM holds beyond its share (on an H100 with a 7B model, leaving exactly the
 # reference's bytes left it 0.1 GB short).
 ENGINE_MARGIN_BYTES = 3 * 2**30
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 # safetensors' dtype names.
@@ -59,9 +58,7 @@ def _read_weights_into(built, files: list[Path]) -> bool:
     loaded: set[int] = set()
     for path in files:
         with path.open("rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            header, base = json.loads(handle.read(size)), 8 + size
-            header.pop("__metadata__", None)
+            header, base = safetensors_header(handle)
             for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
                 if name not in params or entry["dtype"] not in _STORED:
                     return False
@@ -116,11 +113,11 @@ class HfRunner:
             torch.cuda.empty_cache()
 
 
-def reference_bytes(model: str, dtype: str) -> int | None:
-    """Device memory the reference needs in `dtype`: its weights plus slack; None when the folder's weights
-    cannot be counted from their headers."""
-    count = parameter_count(model)
-    return None if count is None else count * _ITEMSIZE[dtype] + REFERENCE_SLACK_BYTES
+def reference_bytes(model: str, dtype: str, count: int | None = None) -> int | None:
+    """Device memory the reference needs in `dtype`: its weights (`count` of them, else counted from the
+    folder) plus slack; None when the folder's weights cannot be counted from their headers."""
+    count = parameter_count(model) if count is None else count
+    return None if count is None else count * DTYPE_BYTES[dtype] + REFERENCE_SLACK_BYTES
 
 
 def reference_placement(model: str, engine_dtype: str) -> tuple[str, str]:
@@ -130,11 +127,11 @@ def reference_placement(model: str, engine_dtype: str) -> tuple[str, str]:
     import torch
 
     if torch.cuda.is_available():
-        needed = reference_bytes(model, engine_dtype)
+        count = parameter_count(model)
+        needed = reference_bytes(model, engine_dtype, count)
         free = torch.cuda.mem_get_info()[0]
         if needed is not None and needed <= free:
             return "cuda", engine_dtype
-        count = parameter_count(model)
         log.warning("parity reference on the CPU in float32 (%s of host memory): the GPU has %.1f GB free, it "
                     "needs %s; a lower --gpu-memory-utilization leaves it room",
                     f"{count * 4 / 1e9:.1f} GB" if count else "the whole model", free / 1e9,

@@ -153,7 +153,8 @@ class VllmRunner:
             enforce_eager=eager,
             tensor_parallel_size=options.tensor_parallel_size,
             trust_remote_code=options.trust_remote_code,
-            gpu_memory_utilization=options.gpu_memory_utilization or (0.3 if on_cpu else default_gpu_memory_share(options)),
+            gpu_memory_utilization=options.gpu_memory_utilization
+            or (0.3 if on_cpu else default_gpu_memory_share(options)),
             seed=options.seed,
             enable_prefix_caching=True,
             worker_extension_cls=EXTENSION,
