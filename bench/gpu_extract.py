@@ -397,7 +397,7 @@ class PhaseTimes:
     def __enter__(self):
         import threading
 
-        import tasks.extract as extract_task
+        import layertap.batch as extract_task
 
         import flows.pipeline as pipeline
 

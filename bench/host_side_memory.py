@@ -101,7 +101,7 @@ def main() -> int:
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    import tasks.extract as extract_task
+    import layertap.batch as extract_task
     from flows.embed import embed_flow
     from layertap import engine_cache
     from layertap.tiny_model import build_tiny_model

@@ -4,28 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from prefect import get_run_logger, task
+from prefect.runtime import task_run
 from prefect.tasks import exponential_backoff
 
-from layertap import faults
-from layertap import validate as checks
-from layertap.engine_cache import discard_if_dead, get_runner
-from layertap.disk_space import as_unwritable
-from layertap.errors import ModelUnusable, StoreUnwritable, ValidationError
+from layertap.batch import run_batch
+from layertap.engine_cache import get_runner
+from layertap.errors import ModelUnusable, StoreUnwritable
 from layertap.settings import Settings
-from layertap.split_on_oom import extract_splitting
 from layertap.store import StoreDB
-from layertap.truncation import truncation_length, truncation_note
-from layertap.writer import part_id_for, write_batch_files
-
-
-# Value checks run beside the Parquet writers, on threads kept for the process: a thread started for each
-# batch left glibc heap behind batch after batch (bench/host_side_memory.py: ~4.5 MB per batch, 1.5 without).
-_CHECKERS = ThreadPoolExecutor(thread_name_prefix="layertap-check")
 
 
 def batch_cache_key(context: Any, parameters: dict[str, Any]) -> str:
@@ -52,12 +41,6 @@ def part_files(part: dict) -> list[dict]:
     return [{"part_id": part["part_id"], "relpath": part["relpath"], "prompt_hashes": None}] if part["relpath"] else []
 
 
-def _renewed(settings: Settings):
-    """The process's engine after an out-of-memory error: the same one if it still answers, else a new one."""
-    discard_if_dead(settings, get_runner(settings))
-    return get_runner(settings)
-
-
 def heals_on_retry(task, task_run, state) -> bool:
     """Retry any failure but the store's disk being full or read-only, or the model folder being unusable
     (gone, or without weights or tokenizer), which no retry or new engine can mend."""
@@ -79,10 +62,12 @@ def heals_on_retry(task, task_run, state) -> bool:
     result_serializer="json",
 )
 def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) -> dict:
-    """Extract the batch's missing layers with the process's shared engine; return the part's path only.
+    """Extract the batch's missing layers with the process's shared engine, or on a Ray engine with the ray
+    executor (`layertap.batch.run_batch` either way); return the part's paths only.
 
     Out-of-memory halves the batch inside this attempt; any other failure is retried by Prefect with
-    backoff, on a freshly started engine when the old one no longer answers.
+    backoff, on a freshly started engine when the old one no longer answers (on another Ray engine when its
+    engine died).
     """
     logger = get_run_logger()
     hashes, texts = StoreDB(store).batch_prompts(batch["batch_id"])
@@ -90,66 +75,19 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
         raise RuntimeError(
             f"batch {batch['batch_id']} lists {len(hashes)} prompts, the plan said {batch['num_prompts']}"
         )
-    layers = list(batch["layers"])
-    truncate_to = truncation_length(settings.model, settings.truncate, settings.max_model_len)
-    runner = get_runner(settings)
-    runner.reserve_host_buffers(settings.batch_size, len(layers), settings.batches_in_flight, settings.pooling)
-    started = time.perf_counter()
-    try:
-        options = {"truncate_to": truncate_to} if truncate_to else {}
-        result = extract_splitting(runner, texts, layers, settings.pooling, renew=lambda: _renewed(settings),
-                                   **options)
-    except Exception:
-        # An engine that failed mid-batch may be dead or wedged: if it fails a probe, the retry gets a fresh one.
-        discard_if_dead(settings, runner)
-        raise
-    seconds = time.perf_counter() - started
-    faults.hit("extract.returned")  # vectors in memory, nothing written yet
-    kept = [hashes[i] for i in result.kept]
-    rejected = {hashes[i]: reason for i, reason in sorted(result.rejected.items())}
-    truncated = {hashes[i]: truncation_note(n, truncate_to) for i, n in sorted(result.truncated.items())}
-    part_id = part_id_for(batch["extraction_id"], layers, batch["prompt_hashes_digest"])
-    files, problem = [], None
-    if kept:
-        # Values are checked in memory while the files are encoded (both only read the vectors), so the
-        # published part never has to be read back whole; a failing part is still written, for
-        # validate-batch to quarantine and report.
-        checked = _CHECKERS.submit(checks.check_vectors, result.vectors, layers, len(kept), runner.hidden_size,
-                                   settings.stored_dtype())
-        try:
-            files = write_batch_files(store, batch["extraction_id"], part_id, kept, result.vectors,
-                                      settings.stored_dtype(), max_file_bytes=int(settings.part_file_mb * 1e6))
-        except OSError as exc:
-            raise as_unwritable(exc, store) or exc from exc
-        finally:
-            wait([checked])  # the check is done with the vectors before their buffer is handed back
-            result.release()
-        try:
-            checked.result()
-        except ValidationError as exc:
-            problem = str(exc)
+    if settings.executor == "ray":  # on one of the cluster's engines, its part named by this attempt
+        part = get_runner(settings).run_batch(store, batch, hashes, texts, settings, attempt=task_run.run_count)
+    else:
+        part = run_batch(store, batch, hashes, texts, settings)
     logger.info(
-        "extract batch %s: %d prompts x %d layers in %.2fs (%d tokens), %d rejected -> %d files",
+        "extract batch %s: %d prompts x %d layers in %.2fs (%d tokens), %d rejected -> %d files%s",
         batch["batch_id"],
-        len(kept),
-        len(layers),
-        seconds,
-        result.num_tokens,
-        len(rejected),
-        len(files),
+        part["num_prompts"],
+        len(part["layers"]),
+        part["seconds"],
+        part["num_tokens"],
+        len(part["rejected"]),
+        len(part["files"]),
+        f" on engine {part['engine']}" if part.get("engine") else "",
     )
-    return {
-        "batch_id": batch["batch_id"],
-        "extraction_id": batch["extraction_id"],
-        "part_id": part_id,
-        "files": files,
-        "layers": layers,
-        "num_prompts": len(kept),
-        # What the part must hold, in plan order: passed on so that checking and publishing the part need
-        # not read the batch from the store again (each store access opens the database file).
-        "prompt_hashes": [h for h in hashes if h not in rejected],
-        "rejected": rejected,
-        "truncated": truncated,
-        "problem": problem,
-        "num_tokens": result.num_tokens,
-    }
+    return part

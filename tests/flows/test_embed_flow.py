@@ -306,7 +306,7 @@ def test_no_more_batches_than_asked_are_in_flight(run, tmp_path, monkeypatch):
     import threading
     import time
 
-    import tasks.extract as extract_task
+    import layertap.batch as extract_task
 
     real, lock, state = extract_task.extract_splitting, threading.Lock(), {"now": 0, "most": 0}
 
@@ -392,7 +392,7 @@ def test_parts_waiting_to_be_published_go_in_one_transaction(run, tmp_path, monk
 def test_a_part_damaged_on_disk_is_quarantined_and_nothing_after_it_is_published(run, tmp_path, monkeypatch):
     """Checks run beside publication, yet publication stays in batch order: the damaged second part stops the
     run with the check that failed, the first stays published, no later part is; a rerun completes."""
-    import tasks.extract as extract_task
+    import layertap.batch as extract_task
 
     real_write, written = extract_task.write_batch_files, []
 

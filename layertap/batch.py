@@ -1,0 +1,107 @@
+"""One batch, start to end on an engine's side: extract its vectors, check them, write its Parquet part.
+
+The same function runs wherever the engine is: in the flow's own process (the `extract-batch` task, local
+executor) and inside a Ray actor (`layertap.ray_engines`). It needs the batch's texts, not the store's
+database: the caller reads them, so the process that opens DuckDB stays the flow's. It returns the part's
+metadata (file paths, prompt hashes, refusals), never its vectors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from layertap import faults
+from layertap import validate as checks
+from layertap.disk_space import as_unwritable
+from layertap.engine_cache import discard_if_dead, get_runner
+from layertap.errors import ValidationError
+from layertap.settings import Settings
+from layertap.split_on_oom import extract_splitting
+from layertap.truncation import truncation_length, truncation_note
+from layertap.writer import part_id_for, write_batch_files
+
+log = logging.getLogger(__name__)
+
+# Value checks run beside the Parquet writers, on threads kept for the process: a thread started for each
+# batch left glibc heap behind batch after batch (bench/host_side_memory.py: ~4.5 MB per batch, 1.5 without).
+_CHECKERS = ThreadPoolExecutor(thread_name_prefix="layertap-check")
+
+
+def _renewed(settings: Settings):
+    """The process's engine after an out-of-memory error: the same one if it still answers, else a new one."""
+    discard_if_dead(settings, get_runner(settings))
+    return get_runner(settings)
+
+
+def batch_part_id(batch: dict, attempt: int | None = None) -> str:
+    """The part's id: the batch's content (extraction, layers, prompts), plus the attempt when given, so a
+    late attempt on another machine never overwrites the file an earlier one wrote and the flow checked."""
+    part_id = part_id_for(batch["extraction_id"], list(batch["layers"]), batch["prompt_hashes_digest"])
+    return part_id if attempt is None else f"{part_id}-a{int(attempt)}"
+
+
+def run_batch(
+    store: str, batch: dict, hashes: list[str], texts: list[str], settings: Settings, attempt: int | None = None
+) -> dict:
+    """Extract the batch's layers with this process's engine for `settings`, check the values and write
+    them as the batch's part (one or more files in the store's parts/); returns the part's metadata.
+
+    Out-of-memory halves the batch here (on a fresh engine when the error took the engine down); any other
+    failure is raised, after a dead or wedged engine was discarded so that the next attempt starts afresh.
+    """
+    layers = list(batch["layers"])
+    truncate_to = truncation_length(settings.model, settings.truncate, settings.max_model_len)
+    runner = get_runner(settings)
+    runner.reserve_host_buffers(settings.batch_size, len(layers), settings.batches_in_flight, settings.pooling)
+    started = time.perf_counter()
+    try:
+        options = {"truncate_to": truncate_to} if truncate_to else {}
+        result = extract_splitting(runner, texts, layers, settings.pooling, renew=lambda: _renewed(settings),
+                                   **options)
+    except Exception:
+        # An engine that failed mid-batch may be dead or wedged: if it fails a probe, the retry gets a fresh one.
+        discard_if_dead(settings, runner)
+        raise
+    seconds = time.perf_counter() - started
+    faults.hit("extract.returned")  # vectors in memory, nothing written yet
+    kept = [hashes[i] for i in result.kept]
+    rejected = {hashes[i]: reason for i, reason in sorted(result.rejected.items())}
+    truncated = {hashes[i]: truncation_note(n, truncate_to) for i, n in sorted(result.truncated.items())}
+    part_id = batch_part_id(batch, attempt)
+    files, problem = [], None
+    if kept:
+        # Values are checked in memory while the files are encoded (both only read the vectors), so the
+        # published part never has to be read back whole; a failing part is still written, for
+        # validate-batch to quarantine and report.
+        checked = _CHECKERS.submit(checks.check_vectors, result.vectors, layers, len(kept), runner.hidden_size,
+                                   settings.stored_dtype())
+        try:
+            files = write_batch_files(store, batch["extraction_id"], part_id, kept, result.vectors,
+                                      settings.stored_dtype(), max_file_bytes=int(settings.part_file_mb * 1e6))
+        except OSError as exc:
+            raise as_unwritable(exc, store) or exc from exc
+        finally:
+            wait([checked])  # the check is done with the vectors before their buffer is handed back
+            result.release()
+        try:
+            checked.result()
+        except ValidationError as exc:
+            problem = str(exc)
+    return {
+        "batch_id": batch["batch_id"],
+        "extraction_id": batch["extraction_id"],
+        "part_id": part_id,
+        "files": files,
+        "layers": layers,
+        "num_prompts": len(kept),
+        # What the part must hold, in plan order: passed on so that checking and publishing the part need
+        # not read the batch from the store again (each store access opens the database file).
+        "prompt_hashes": [h for h in hashes if h not in rejected],
+        "rejected": rejected,
+        "truncated": truncated,
+        "problem": problem,
+        "num_tokens": result.num_tokens,
+        "seconds": round(seconds, 3),
+    }
