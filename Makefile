@@ -1,7 +1,7 @@
 # The two commands a new machine needs: `make demo` and `make test`. Both set up .venv first.
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= cpu,test
+EXTRAS ?= cpu,test,ray
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 

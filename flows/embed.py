@@ -42,6 +42,10 @@ def embed_flow(
     warm_engine: bool | None = None,
     engine_idle_timeout: float | None = None,
     engine_dir: str | None = None,
+    executor: str | None = None,
+    ray_address: str | None = None,
+    engines: str | int | None = None,
+    batch_timeout: float | None = None,
     env_file: str | None = ".env",
 ) -> dict:
     """Embed every input row's prompt at the requested layers; parameters left at None come from
@@ -76,6 +80,10 @@ def embed_flow(
             warm_engine=warm_engine,
             engine_idle_timeout=engine_idle_timeout,
             engine_dir=engine_dir,
+            executor=executor,
+            ray_address=ray_address,
+            engines=engines,
+            batch_timeout=batch_timeout,
         )
     except ValidationError as exc:
         raise InputError(settings_error_line(exc)) from None

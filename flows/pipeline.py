@@ -103,6 +103,7 @@ def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
     started = time.perf_counter()
     logger = get_run_logger()
     check_run(settings)  # nothing is written before inputs, model, layers and store check out
+    engine_cache.check_executor(settings)  # with the ray executor: the cluster holds the engines asked for
     store_dir = str(settings.store_path())
     if not settings.model:
         logger.info("no model given: using the tiny demo model in %s", settings.demo_model_dir())

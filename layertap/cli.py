@@ -75,6 +75,18 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="seconds a warm engine stays up with no run attached (default: 600)")
     p.add_argument("--engine-dir", metavar="DIR",
                    help="where warm engines keep their sockets and status (default: ~/.cache/layertap/engines/<host>)")
+    p.add_argument("--executor", metavar="local|ray",
+                   help="extract on this machine's engine, or on engines that are actors of a Ray cluster "
+                        "(default: local)")
+    p.add_argument("--ray-address", metavar="ADDRESS",
+                   help="the Ray cluster for --executor ray, e.g. head:6379 (default: RAY_ADDRESS, else a local "
+                        "cluster started for the run)")
+    p.add_argument("--engines", metavar="auto|N",
+                   help="engines on the Ray cluster (default: auto, its GPUs / tensor-parallel size; on CPUs one "
+                        "per node)")
+    p.add_argument("--batch-timeout", metavar="SECONDS",
+                   help="a batch running longer on a Ray engine counts as hung: the engine is restarted and the "
+                        "batch retried (default: 1800)")
     p.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None,
                    help="cut prompts longer than the model's context instead of rejecting them")
     p.add_argument("--lock-timeout", metavar="SECONDS",
@@ -218,7 +230,8 @@ _SETTING_ARGS = (
     "batch_size",
     "parity_sample", "batches_in_flight", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
     "tensor_parallel_size", "enforce_eager", "engine_process", "runner_process", "trust_remote_code", "truncate",
-    "lock_timeout", "warm_engine", "engine_idle_timeout", "engine_dir",
+    "lock_timeout", "warm_engine", "engine_idle_timeout", "engine_dir", "executor", "ray_address", "engines",
+    "batch_timeout",
 )
 
 
@@ -326,6 +339,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Nothing new: answered from the store, without Prefect, torch or an engine.
     summary = finish_if_up_to_date(settings, args.dataset)
     if summary is None:
+        from layertap.engine_cache import check_executor
+
+        check_executor(settings)  # a Ray cluster too small for the engines asked for fails here, before Prefect
         with _progress_bar(args):
             if args.dataset:
                 from flows.embed_dataset import embed_dataset_flow

@@ -39,8 +39,13 @@ def runner_key(settings: Settings) -> tuple:
     if not settings.model:
         raise ValueError("runner_key needs a resolved model directory")
     opts = tuple(sorted(settings.engine_options().items()))
+    model = str(Path(settings.model).expanduser().resolve())
+    if settings.executor == "ray":  # the engines of a Ray cluster (`layertap.ray_engines`); never warm ones
+        from layertap.ray_engines import cluster_address
+
+        return (model, settings.dtype, opts, "ray", cluster_address(settings), settings.engines)
     idle_timeout = settings.engine_idle_timeout if settings.warm_engine else None
-    return (str(Path(settings.model).expanduser().resolve()), settings.dtype, opts, settings.engine_dir, idle_timeout)
+    return (model, settings.dtype, opts, settings.engine_dir, idle_timeout)
 
 
 def get_runner(settings: Settings):
@@ -69,7 +74,7 @@ def _runner(settings: Settings):
             raise failure  # the early start failed: its caller sees why (a retry starts afresh)
         closings = _closings
         try:
-            runner = start_runner(*engine_start_args(settings))
+            runner = _start(settings)
         except Exception as exc:
             raise _model_problem(settings) or exc
         with _lock:
@@ -93,6 +98,24 @@ def _model_problem(settings: Settings):
     except ModelUnusable as problem:
         return problem
     return None
+
+
+def _start(settings: Settings):
+    """A new engine for these settings: the local one `start_runner` gives, or a Ray cluster's engines."""
+    if settings.executor == "ray":
+        from layertap.ray_engines import RayEngines
+
+        return RayEngines(settings)
+    return start_runner(*engine_start_args(settings))
+
+
+def check_executor(settings: Settings) -> None:
+    """Before a run writes anything: with the ray executor, join the cluster and check that the engines asked
+    for fit it (a one-line error if not). Nothing to check for the local executor."""
+    if settings.executor == "ray":
+        from layertap.ray_engines import check_cluster
+
+        check_cluster(settings)
 
 
 def engine_start_args(settings: Settings) -> tuple:

@@ -11,8 +11,12 @@ is one environment lookup. When set, it holds a comma list of `<point>:<action>`
     poison=S    raise `InjectedFault` whenever a prompt of the batch contains S
     oserror=E   raise `OSError` with errno E (a name, e.g. ENOSPC) every time (a full or read-only disk)
     wait=PATH   hold this process here until the file PATH exists (a run that keeps the store for a while)
+    killonce=F  SIGKILL this process the first time any process reaches the point: the one that creates the
+                file F (an absolute path) first is killed, later ones go on (an engine actor dying once)
+    killon=S    SIGKILL this process whenever a prompt of the batch contains S (a batch that kills its engine)
 
-Counters live in this process, so a child process started with the variable counts from zero.
+Counters live in this process, so a child process started with the variable counts from zero; `killonce`
+counts across processes through its file.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import Any
 
 ENV = "LAYERTAP_FAULTS"
 
-_SPEC = re.compile(r"^(?P<point>[\w.-]+):(?P<action>kill@|error\*?|oom>|die@|poison=|oserror=|wait=)(?P<arg>.*)$")
+_SPEC = re.compile(
+    r"^(?P<point>[\w.-]+):(?P<action>kill@|error\*?|oom>|die@|poison=|oserror=|wait=|killonce=|killon=)(?P<arg>.*)$")
 _lock = threading.Lock()
 _counts: dict[tuple[str, str], int] = {}
 
@@ -42,7 +47,7 @@ def _parse(value: str) -> list[tuple[str, str, str]]:
         if match is None:
             raise ValueError(
                 f"{ENV}: cannot read {item!r} "
-                "(expected <point>:kill@N|error*N|oom>K|die@N|poison=S|oserror=E|wait=PATH)")
+                "(expected <point>:kill@N|error*N|oom>K|die@N|poison=S|oserror=E|wait=PATH|killonce=F|killon=S)")
         faults.append((match["point"], match["action"], match["arg"]))
     return faults
 
@@ -78,6 +83,16 @@ def hit(point: str, texts: Sequence[str] | None = None, engine: Any = None) -> N
             while not os.path.exists(arg):
                 time.sleep(0.1)
             continue
+        if action == "killon=":
+            if texts is not None and any(arg in text for text in texts):
+                os.kill(os.getpid(), signal.SIGKILL)
+            continue
+        if action == "killonce=":
+            try:
+                os.close(os.open(arg, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                continue
+            os.kill(os.getpid(), signal.SIGKILL)
         n = _count(point, action + arg)
         if action == "oserror=":
             import errno

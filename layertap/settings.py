@@ -89,6 +89,17 @@ class Settings(BaseSettings):
     # "dummy" starts the engine with random weights of the model's shape: for speed runs only.
     load_format: Literal["auto", "dummy"] | None = None
 
+    # Where batches are extracted: "local", engines of this process (or warm ones on this machine); "ray",
+    # engines that are actors of a Ray cluster (`layertap.ray_engines`, the `ray` extra).
+    executor: Literal["local", "ray"] = "local"
+    # The Ray cluster's address (head:6379, ray://head:10001, auto); None: RAY_ADDRESS, and without it a local
+    # cluster started for the run.
+    ray_address: str | None = None
+    # Engines (actors) on the cluster: "auto" is its GPUs / tensor_parallel_size, or on CPUs one per node.
+    engines: str = "auto"
+    # Seconds a batch may take on a Ray engine before the engine is taken as hung, killed and the batch retried.
+    batch_timeout: float = Field(1800.0, gt=0)
+
     @field_validator("input", mode="before")
     @classmethod
     def _split_input(cls, value: Any) -> Any:
@@ -124,6 +135,7 @@ class Settings(BaseSettings):
         "max_model_len",
         "gpu_memory_utilization",
         "enforce_eager",
+        "ray_address",
         mode="before",
     )
     @classmethod
@@ -154,6 +166,23 @@ class Settings(BaseSettings):
             if canon not in seen:
                 seen.append(canon)
         return ",".join(seen)
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _check_engines(cls, value: Any) -> Any:
+        """"auto" or a positive whole number, kept as a string."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            return value
+        spec = value.strip().lower()
+        if spec == "auto" or (spec.isdigit() and int(spec) >= 1):
+            return "auto" if spec == "auto" else str(int(spec))
+        raise ValueError(f"expected 'auto' or a number of engines of at least 1, got {value!r}")
+
+    def engine_count(self) -> int | None:
+        """The number of engines asked for; None for "auto" (the cluster decides)."""
+        return None if self.engines == "auto" else int(self.engines)
 
     def layer_spec(self) -> str | list[int]:
         """The layer request in the form `layertap.layers.resolve_layers` takes."""

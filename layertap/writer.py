@@ -213,11 +213,24 @@ MIN_FILE_BYTES = 32_000_000
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
+_THREADS: int | None = None  # set by `limit_encoder_threads`
+
+
+def limit_encoder_threads(count: int) -> None:
+    """Encode at most `count` files at once in this process: a process given a share of a machine's cores
+    (a Ray actor's CPUs) writes on that share, not on every core."""
+    global _THREADS, _POOL
+    with _POOL_LOCK:
+        _THREADS, pool, _POOL = max(1, int(count)), _POOL, None
+    if pool is not None:
+        pool.shutdown(wait=False)
 
 
 def encoder_threads() -> int:
     """Files encoded at once in this process, across all batches: one per core it may run on (Arrow's
-    encoder holds no GIL)."""
+    encoder holds no GIL), or the share `limit_encoder_threads` set."""
+    if _THREADS is not None:
+        return _THREADS
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # no affinity API on this platform

@@ -1,0 +1,437 @@
+"""Engines as actors of a Ray cluster: the `ray` executor (`pip install 'layertap[ray]'`).
+
+The flow stays where it is: it plans, checks, publishes and is the only process that opens the store's
+database or holds its lock. Each engine is a Ray actor that owns one runner, built exactly as on one machine
+(`engine_cache.get_runner` in the actor's process), and runs the same batch body as the local executor
+(`layertap.batch.run_batch`): the flow sends a batch's texts, the actor extracts, checks the values and
+writes the part's files into the store's folder (a filesystem mounted at the same path on every node), and
+only the part's metadata comes back. Part files are named by the batch's content plus the Prefect attempt,
+so a late attempt can never overwrite a file an earlier one wrote and the flow checked.
+
+Ray's own retries are off (`max_task_retries=0`: no actor call is ever run twice by Ray): a failed batch
+fails its Prefect task, and the task's retry runs on an engine that is up. A dead actor is restarted by Ray
+(at most `ACTOR_MAX_RESTARTS` times), a batch that outlives `batch_timeout` kills its actor (which then
+restarts), and out-of-memory halving happens inside the actor. The actors belong to the flow's process (not
+detached): when it exits or dies, Ray ends them, and a local cluster started for the run ends with it.
+
+Each engine asks Ray for `tensor_parallel_size` GPUs (tensor parallelism stays within one node) and its
+node's CPUs in proportion, or on a CPU cluster for an even share of the cluster's CPUs; the Parquet writers
+in the actor use as many threads as it has CPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from layertap.errors import EngineError, InputError
+
+log = logging.getLogger(__name__)
+
+# Restarts Ray gives each engine actor after it died (engine crash, out of host memory, a batch that kills
+# it): enough for a few bad batches, not for an engine that cannot start at all.
+ACTOR_MAX_RESTARTS = 3
+# How long engines may take to be placed on the cluster and start their vLLM engine.
+READY_TIMEOUT_S = 900.0
+# Environment the actors get from the flow's process: layertap's and vLLM's settings, where code and
+# models are found.
+FORWARDED_ENV_PREFIXES = ("LAYERTAP_", "VLLM_", "HF_")
+FORWARDED_ENV = ("PYTHONPATH", "TRANSFORMERS_OFFLINE")
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise InputError("executor: ray needs the ray extra (pip install 'layertap[ray]')") from None
+    return ray
+
+
+def cluster_address(settings) -> str:
+    """The cluster to use: the setting, else RAY_ADDRESS, else "local" (a cluster of this machine started for
+    the run; Ray would otherwise join a cluster `ray start` left running here)."""
+    return settings.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+
+
+def forwarded_env() -> dict[str, str]:
+    """The variables the actors are given (a cluster's workers do not inherit the flow's environment)."""
+    return {name: value for name, value in os.environ.items()
+            if name.startswith(FORWARDED_ENV_PREFIXES) or name in FORWARDED_ENV}
+
+
+def connect(settings) -> str:
+    """Join the settings' cluster (or start a local one) unless this process already has; returns its address."""
+    ray = _ray()
+    address = cluster_address(settings)
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, runtime_env={"env_vars": forwarded_env()}, log_to_driver=False,
+                     include_dashboard=False, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise EngineError(f"ray: cannot reach the cluster at {address}: {' '.join(str(exc).split())}") from None
+    return address
+
+
+def disconnect() -> None:
+    """Leave the cluster (a local cluster started by this process stops)."""
+    ray = _ray()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """How many engines, and what each asks the cluster for."""
+
+    engines: int
+    num_cpus: int
+    num_gpus: int
+    cluster: str  # what the cluster holds, for messages
+
+    def describe(self) -> str:
+        share = f"{self.num_gpus} GPU{'s' * (self.num_gpus > 1)} and " if self.num_gpus else ""
+        return f"{self.engines} engine{'s' * (self.engines > 1)} of {share}{self.num_cpus} CPU{'s' * (self.num_cpus > 1)}"
+
+
+def _alive_nodes(ray) -> list[dict[str, float]]:
+    return [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+
+
+def plan_engines(settings, nodes: list[dict[str, float]], on_gpu: bool, address: str) -> EnginePlan:
+    """Engines for a cluster whose alive nodes hold `nodes` (Ray resources each); raises InputError, one
+    line, when the engines asked for cannot all be placed.
+
+    On GPUs each engine takes `tensor_parallel_size` GPUs of one node and that node's CPUs in proportion;
+    "auto" is as many as the nodes' GPUs hold. On CPUs, "auto" is one engine per node, each taking the CPUs
+    of the smallest node; a number of engines share the cluster's CPUs evenly (at least one each).
+    """
+    cpus = [int(node.get("CPU", 0)) for node in nodes]
+    gpus = [int(node.get("GPU", 0)) for node in nodes]
+    wanted = settings.engine_count()
+    tp = settings.tensor_parallel_size
+    where = f"the Ray cluster at {address}"
+    if on_gpu:
+        held = f"{sum(gpus)} GPUs on {len(nodes)} node{'s' * (len(nodes) != 1)}"
+        fits = sum(g // tp for g in gpus)
+        gpu_nodes = [(c, g) for c, g in zip(cpus, gpus) if g >= tp]
+        share = max(1, min((c * tp // g for c, g in gpu_nodes), default=1))
+        plan = EnginePlan(wanted or fits, share, tp, held)
+        per_node = [min(g // tp, c // share) for c, g in zip(cpus, gpus)]
+        if plan.engines == 0 or sum(per_node) < plan.engines:
+            raise InputError(
+                f"engines: {plan.describe()} (tensor_parallel_size {tp}) do not fit {where}, which holds {held}"
+                f" (at most {sum(per_node)})")
+        return plan
+    held = f"{sum(cpus)} CPUs on {len(nodes)} node{'s' * (len(nodes) != 1)}"
+    cpu_nodes = [c for c in cpus if c > 0]
+    if wanted is None:
+        share = max(1, min(cpu_nodes, default=1))
+        plan = EnginePlan(sum(c // share for c in cpu_nodes), share, 0, held)
+    else:
+        plan = EnginePlan(wanted, max(1, sum(cpus) // wanted), 0, held)
+    fits = sum(c // plan.num_cpus for c in cpus)
+    if plan.engines == 0 or fits < plan.engines:
+        raise InputError(f"engines: {plan.describe()} do not fit {where}, which holds {held} (at most {fits})")
+    return plan
+
+
+def on_gpu_cluster() -> bool:
+    from layertap.runner.engine_options import vllm_is_cpu_build
+
+    return not vllm_is_cpu_build()
+
+
+def check_cluster(settings) -> EnginePlan:
+    """Join the cluster and check that the engines asked for fit it, before the run writes anything."""
+    address = connect(settings)
+    return plan_engines(settings, _alive_nodes(_ray()), on_gpu_cluster(), address)
+
+
+def expected_identity(settings) -> dict[str, str]:
+    """What every engine must report: the flow's layertap code and vLLM version, and the model's fingerprint."""
+    from layertap.model_fingerprint import fingerprint_model
+    from layertap.runner.warm_engine import installed_version, layertap_code
+
+    return {"layertap_code": layertap_code(), "vllm_version": installed_version("vllm"),
+            "fingerprint": fingerprint_model(settings.model)}
+
+
+def engine_settings(settings):
+    """The settings an actor builds its engine from: the run's, for an engine of the actor's own process."""
+    return settings.model_copy(update={"executor": "local", "warm_engine": False})
+
+
+class EngineActor:
+    """One engine on the cluster (run as a Ray actor): the runner for `settings` in this process, and the
+    batch body on it."""
+
+    def __init__(self, settings, num_cpus: int, index: int):
+        from layertap.engine_cache import get_runner
+        from layertap.writer import limit_encoder_threads
+
+        limit_encoder_threads(num_cpus)  # Parquet encoders on the actor's share of the node's cores
+        self.settings, self.index, self.num_cpus = settings, index, num_cpus
+        self.runner = get_runner(settings)
+
+    def ready(self) -> dict[str, Any]:
+        """Where this engine runs and what it serves."""
+        import ray
+
+        report = expected_identity(self.settings)
+        report.update(
+            host=socket.gethostname(), pid=os.getpid(), node=ray.get_runtime_context().get_node_id(),
+            devices=",".join(str(g) for g in ray.get_gpu_ids()) or "cpu", cpus=self.num_cpus,
+            num_layers=self.runner.num_layers, hidden_size=self.runner.hidden_size,
+        )
+        return report
+
+    def run_batch(self, store: str, batch: dict, hashes: list[str], texts: list[str], settings,
+                  attempt: int | None) -> dict:
+        """The batch body on this actor's engine, with the run's settings (pooling, truncation, part size)."""
+        from layertap.batch import run_batch
+
+        part = run_batch(store, batch, hashes, texts, engine_settings(settings), attempt)
+        part["engine"] = f"{self.index}@{socket.gethostname()}:{os.getpid()}"
+        return part
+
+    def reference(self, texts: list[str], layers: list[int], pooling: str, trust_remote_code: bool) -> dict:
+        """Hugging Face's vectors for the parity sample, computed here so the flow never loads torch."""
+        from layertap.engine_cache import get_runner
+
+        runner = get_runner(self.settings)
+        if hasattr(runner, "reference"):
+            return runner.reference(texts, layers, pooling, trust_remote_code)
+        from layertap.runner.hf_runner import hf_reference
+
+        return hf_reference(self.settings.model, texts, layers, pooling, trust_remote_code)
+
+    def activity(self):
+        from layertap.engine_cache import engine_activity
+
+        return engine_activity(self.settings)
+
+
+@dataclass
+class _Engine:
+    index: int
+    handle: Any
+    report: dict | None = None
+    probe: Any = None  # a pending `ready` call: the engine is starting or restarting
+    in_flight: int = 0
+    done: int = 0
+    deaths: int = 0
+    dead: bool = False
+    since: float = field(default_factory=time.monotonic)
+
+    def name(self) -> str:
+        where = f" on {self.report['host']}" if isinstance(self.report, dict) else ""
+        return f"{self.index}{where}"
+
+
+class RayEngines:
+    """The run's engines on a Ray cluster, used through `engine_cache` like one local runner."""
+
+    def __init__(self, settings, ready_timeout: float = READY_TIMEOUT_S):
+        ray = _ray()
+        self.settings = settings
+        self.ready_timeout = ready_timeout
+        self.address = connect(settings)
+        self.plan = plan_engines(settings, _alive_nodes(ray), on_gpu_cluster(), self.address)
+        self.expected = expected_identity(settings)
+        self._lock = threading.Condition()
+        self._closed = False
+        actor_settings = engine_settings(settings)
+        actor = ray.remote(EngineActor).options(
+            num_cpus=self.plan.num_cpus, num_gpus=self.plan.num_gpus, max_restarts=ACTOR_MAX_RESTARTS,
+            max_task_retries=0, max_concurrency=settings.batches_in_flight + 4,
+        )
+        self.engines = [_Engine(i, actor.remote(actor_settings, self.plan.num_cpus, i))
+                        for i in range(self.plan.engines)]
+        log.info("ray: starting %s on %s", self.plan.describe(), self.address)
+        try:
+            for engine in self.engines:
+                engine.probe = engine.handle.ready.remote()
+            ray.wait([e.probe for e in self.engines], num_returns=len(self.engines), timeout=ready_timeout)
+            for engine in self.engines:
+                self._settle(engine, wait=False)
+                if engine.probe is not None:
+                    raise EngineError(
+                        f"ray: engine {engine.index} was not up within {ready_timeout:.0f}s on {self.address} "
+                        f"(it asks for {self.plan.describe().split(' of ', 1)[1]}; the cluster holds {self.plan.cluster})")
+                if engine.dead:
+                    raise EngineError(f"ray: engine {engine.index} could not start: {engine.report}")
+        except BaseException:
+            self.close()
+            raise
+        self.hidden_size = self.engines[0].report["hidden_size"]
+        self.num_layers = self.engines[0].report["num_layers"]
+        log.info("ray: %d engines up: %s", len(self.engines),
+                 ", ".join(f"{e.index} on {e.report['host']} (pid {e.report['pid']}, {e.report['devices']})"
+                           for e in self.engines))
+
+    # --- engines' states ----------------------------------------------------------------------------
+    def _settle(self, engine: _Engine, wait: bool) -> None:
+        """Take a finished `ready` probe's answer: the engine is up (if it serves what the flow expects), or
+        dead for good (its restarts spent, or it cannot start)."""
+        ray = _ray()
+        if engine.probe is None or engine.dead:
+            return
+        done, _ = ray.wait([engine.probe], timeout=None if wait else 0)
+        if not done:
+            return
+        try:
+            report = ray.get(engine.probe)
+        except ray.exceptions.ActorUnavailableError:
+            engine.probe = engine.handle.ready.remote()  # still restarting: ask again
+            return
+        except ray.exceptions.RayActorError as exc:
+            engine.dead, engine.probe, engine.report = True, None, _cause_text(exc)
+            log.warning("ray: engine %d is gone: %s", engine.index, engine.report)
+            return
+        engine.probe = None
+        wrong = {name: (report.get(name), want) for name, want in self.expected.items() if report.get(name) != want}
+        if wrong:
+            ray.kill(engine.handle, no_restart=True)
+            engine.dead, engine.report = True, report
+            raise EngineError(
+                f"ray: engine {engine.index} on {report.get('host')} serves "
+                + ", ".join(f"{name} {got} where this flow has {want}" for name, (got, want) in wrong.items())
+                + ": refusing it")
+        engine.report = report
+
+    def _restarting(self, engine: _Engine) -> None:
+        """The engine died (or was killed): Ray restarts it; it takes batches again once it answers."""
+        with self._lock:
+            engine.deaths += 1
+            if not engine.dead and engine.probe is None:
+                engine.probe = engine.handle.ready.remote()
+                engine.since = time.monotonic()
+
+    def _pick(self) -> _Engine:
+        """The engine that is up with the fewest batches in flight; waits (bounded) while all restart."""
+        ray = _ray()
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise EngineError("ray: the run's engines were closed")
+                for engine in self.engines:
+                    self._settle(engine, wait=False)
+                up = [e for e in self.engines if not e.dead and e.probe is None]
+                if up:
+                    engine = min(up, key=lambda e: (e.in_flight, e.done, e.index))
+                    engine.in_flight += 1
+                    return engine
+                waiting = [e.probe for e in self.engines if not e.dead and e.probe is not None]
+            if not waiting:
+                raise EngineError(f"ray: every engine died ({len(self.engines)} engines, "
+                                  f"{ACTOR_MAX_RESTARTS} restarts each)")
+            if time.monotonic() > deadline:
+                raise EngineError(f"ray: no engine came back up within {self.ready_timeout:.0f}s")
+            ray.wait(waiting, num_returns=1, timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+
+    # --- what the flow calls ------------------------------------------------------------------------------
+    def run_batch(self, store: str, batch: dict, hashes: list[str], texts: list[str], settings,
+                  attempt: int | None = None) -> dict:
+        """Run the batch body on an engine that is up; returns the part's metadata. A dead or hung engine
+        fails the batch (for Prefect to retry elsewhere) and is restarted by Ray."""
+        ray = _ray()
+        engine = self._pick()
+        try:
+            call = engine.handle.run_batch.options(max_task_retries=0)
+            ref = call.remote(store, batch, hashes, texts, settings, attempt)
+            try:
+                part = ray.get(ref, timeout=settings.batch_timeout)
+            except ray.exceptions.GetTimeoutError:
+                ray.kill(engine.handle, no_restart=False)
+                self._restarting(engine)
+                raise EngineError(
+                    f"batch {batch['batch_id']} ran over {settings.batch_timeout:.0f}s on engine "
+                    f"{engine.name()}: taken as hung, the engine is restarted") from None
+            except ray.exceptions.RayTaskError as exc:
+                raise _original(exc) from None
+            except ray.exceptions.RayActorError as exc:
+                self._restarting(engine)
+                raise EngineError(f"engine {engine.name()} died during batch {batch['batch_id']}: "
+                                  f"{_cause_text(exc)}") from None
+        finally:
+            with self._lock:
+                engine.in_flight -= 1
+        with self._lock:
+            engine.done += 1
+        return part
+
+    def batches_done(self) -> dict[str, int]:
+        """Batches each engine finished in this pool's life, by engine index."""
+        with self._lock:
+            return {str(e.index): e.done for e in self.engines}
+
+    def reference(self, texts, layers, pooling, trust_remote_code):
+        """The parity sample's Hugging Face vectors, computed on an engine's node."""
+        ray = _ray()
+        engine = self._pick()
+        try:
+            return ray.get(engine.handle.reference.remote(texts, list(layers), pooling, trust_remote_code))
+        except ray.exceptions.RayTaskError as exc:
+            raise _original(exc) from None
+        finally:
+            with self._lock:
+                engine.in_flight -= 1
+
+    def activity(self):
+        """The engines' `EngineActivity` added up (engines that are down count nothing)."""
+        from layertap.runner.base import EngineActivity
+
+        ray = _ray()
+        total = EngineActivity()
+        refs = [e.handle.activity.remote() for e in self.engines if not e.dead and e.probe is None]
+        for ref in refs:
+            try:
+                one = ray.get(ref, timeout=30)
+            except Exception:  # noqa: BLE001 - an engine that died has nothing to report
+                continue
+            if one is not None:
+                total = EngineActivity(total.steps + one.steps, total.stepping_s + one.stepping_s,
+                                       total.idle_s + one.idle_s)
+        return total
+
+    def healthy(self) -> bool:
+        with self._lock:
+            return not self._closed and any(not e.dead for e in self.engines)
+
+    def actor_pids(self) -> list[int]:
+        """The engines' process ids as they last reported them."""
+        with self._lock:
+            return [e.report["pid"] for e in self.engines if isinstance(e.report, dict)]
+
+    def close(self) -> None:
+        """Stop the engines; leave the cluster (a local one stops with it)."""
+        ray = _ray()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for engine in self.engines:
+            try:
+                ray.kill(engine.handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        disconnect()
+
+
+def _cause_text(exc: BaseException) -> str:
+    """Why an actor call failed, in one line: the batch's own error, or why the actor died."""
+    cause = getattr(exc, "cause", None)
+    return " ".join(str(cause if isinstance(cause, BaseException) else exc).split())[:500]
+
+
+def _original(exc: BaseException) -> BaseException:
+    """The exception a batch raised inside an actor, without Ray's wrapping (a full store disk stays
+    `StoreUnwritable`, so it is not retried)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else EngineError(_cause_text(exc))
