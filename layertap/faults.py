@@ -16,7 +16,8 @@ is one environment lookup. When set, it holds a comma list of `<point>:<action>`
     killon=S    SIGKILL this process whenever a prompt of the batch contains S (a batch that kills its engine)
 
 Counters live in this process, so a child process started with the variable counts from zero; `killonce`
-counts across processes through its file.
+counts across processes through its file. A run's faults reach its engines on a Ray cluster with each batch
+(`follow`), so engines started before the variable was set obey it too.
 """
 
 from __future__ import annotations
@@ -109,6 +110,23 @@ def hit(point: str, texts: Sequence[str] | None = None, engine: Any = None) -> N
             if engine is not None:
                 engine.close()
             raise EngineError(f"injected engine death at {point}")
+
+
+def active() -> str | None:
+    """This process's fault spec (the variable's value), to hand to the processes that run its batches."""
+    return os.environ.get(ENV) or None
+
+
+def follow(spec: str | None) -> None:
+    """Take the faults of the run whose batch this process runs (an engine actor): `spec` as `active()` gave
+    it in the run's process."""
+    if spec == active():
+        return
+    if spec:
+        _parse(spec)
+        os.environ[ENV] = spec
+    else:
+        os.environ.pop(ENV, None)
 
 
 def reset() -> None:

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from layertap import faults
 from layertap.errors import EngineError, InputError
 
 log = logging.getLogger(__name__)
@@ -191,10 +192,12 @@ class EngineActor:
         return report
 
     def run_batch(self, store: str, batch: dict, hashes: list[str], texts: list[str], settings,
-                  attempt: int | None) -> dict:
-        """The batch body on this actor's engine, with the run's settings (pooling, truncation, part size)."""
+                  attempt: int | None, fault_spec: str | None = None) -> dict:
+        """The batch body on this actor's engine, with the run's settings (pooling, truncation, part size)
+        and fault points (`faults.follow`)."""
         from layertap.batch import run_batch
 
+        faults.follow(fault_spec)
         part = run_batch(store, batch, hashes, texts, engine_settings(settings), attempt)
         part["engine"] = f"{self.index}@{socket.gethostname()}:{os.getpid()}"
         return part
@@ -344,7 +347,7 @@ class RayEngines:
         engine = self._pick()
         try:
             call = engine.handle.run_batch.options(max_task_retries=0)
-            ref = call.remote(store, batch, hashes, texts, settings, attempt)
+            ref = call.remote(store, batch, hashes, texts, settings, attempt, faults.active())
             try:
                 part = ray.get(ref, timeout=settings.batch_timeout)
             except ray.exceptions.GetTimeoutError:
