@@ -96,7 +96,7 @@ class EnginePlan:
 
     def describe(self) -> str:
         share = f"{self.num_gpus} GPU{'s' * (self.num_gpus > 1)} and " if self.num_gpus else ""
-        return f"{self.engines} engine{'s' * (self.engines > 1)} of {share}{self.num_cpus} CPU{'s' * (self.num_cpus > 1)}"
+        return f"{self.engines} engine{'s' * (self.engines != 1)} of {share}{self.num_cpus} CPU{'s' * (self.num_cpus > 1)}"
 
 
 def _alive_nodes(ray) -> list[dict[str, float]]:

@@ -23,6 +23,18 @@ def test_defaults():
     assert s.max_num_batched_tokens is None and s.max_model_len is None
     assert s.gpu_memory_utilization is None and s.enforce_eager is None and s.engine_process is None
     assert (s.tensor_parallel_size, s.trust_remote_code) == (1, False)
+    assert (s.executor, s.ray_address, s.engines, s.batch_timeout) == ("local", None, "auto", 1800.0)
+
+
+def test_ray_options_from_env(monkeypatch):
+    monkeypatch.setenv("LAYERTAP_EXECUTOR", "ray")
+    monkeypatch.setenv("LAYERTAP_RAY_ADDRESS", "head:6379")
+    monkeypatch.setenv("LAYERTAP_ENGINES", " 4 ")
+    s = load_settings(env_file=None)
+    assert (s.executor, s.ray_address, s.engines, s.engine_count()) == ("ray", "head:6379", "4", 4)
+    assert load_settings(env_file=None, engines="AUTO").engine_count() is None
+    monkeypatch.setenv("LAYERTAP_RAY_ADDRESS", "")
+    assert load_settings(env_file=None).ray_address is None
 
 
 def test_env_vars_fill_every_kind_of_field(monkeypatch):
@@ -106,6 +118,9 @@ def test_layers_are_kept_as_a_canonical_spec(given, canonical, spec):
         ({"gpu_memory_utilization": 1.5}, "invalid setting gpu_memory_utilization"),
         ({"text_column": "  "}, "invalid setting text_column (LAYERTAP_TEXT_COLUMN): must not be empty"),
         ({"input": '["unclosed"'}, "invalid setting input (LAYERTAP_INPUT): not a JSON list of paths"),
+        ({"executor": "dask"}, "invalid setting executor (LAYERTAP_EXECUTOR): Input should be 'local' or 'ray'"),
+        ({"engines": "0"}, "invalid setting engines (LAYERTAP_ENGINES): expected 'auto' or a number of engines"),
+        ({"engines": "many"}, "invalid setting engines (LAYERTAP_ENGINES): expected 'auto' or a number of engines"),
     ],
 )
 def test_errors_are_one_line_naming_the_setting(values, expected):
