@@ -14,6 +14,7 @@ is one environment lookup. When set, it holds a comma list of `<point>:<action>`
     killonce=F  SIGKILL this process the first time any process reaches the point: the one that creates the
                 file F (an absolute path) first is killed, later ones go on (an engine actor dying once)
     killon=S    SIGKILL this process whenever a prompt of the batch contains S (a batch that kills its engine)
+    hangonce=F  sleep an hour the first time any process reaches the point (the one that creates F): a hung batch
 
 Counters live in this process, so a child process started with the variable counts from zero; `killonce`
 counts across processes through its file. A run's faults reach its engines on a Ray cluster with each batch
@@ -26,13 +27,15 @@ import os
 import re
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 ENV = "LAYERTAP_FAULTS"
 
 _SPEC = re.compile(
-    r"^(?P<point>[\w.-]+):(?P<action>kill@|error\*?|oom>|die@|poison=|oserror=|wait=|killonce=|killon=)(?P<arg>.*)$")
+    r"^(?P<point>[\w.-]+):(?P<action>kill@|error\*?|oom>|die@|poison=|oserror=|wait=|killonce=|killon=|hangonce=)"
+    r"(?P<arg>.*)$")
 _lock = threading.Lock()
 _counts: dict[tuple[str, str], int] = {}
 
@@ -47,8 +50,8 @@ def _parse(value: str) -> list[tuple[str, str, str]]:
         match = _SPEC.match(item)
         if match is None:
             raise ValueError(
-                f"{ENV}: cannot read {item!r} "
-                "(expected <point>:kill@N|error*N|oom>K|die@N|poison=S|oserror=E|wait=PATH|killonce=F|killon=S)")
+                f"{ENV}: cannot read {item!r} (expected <point>:kill@N|error*N|oom>K|die@N|poison=S|oserror=E|"
+                "wait=PATH|killonce=F|killon=S|hangonce=F)")
         faults.append((match["point"], match["action"], match["arg"]))
     return faults
 
@@ -79,8 +82,6 @@ def hit(point: str, texts: Sequence[str] | None = None, engine: Any = None) -> N
                 raise InjectedFault(f"injected failure at {point}: a prompt contains {arg!r}")
             continue
         if action == "wait=":
-            import time
-
             while not os.path.exists(arg):
                 time.sleep(0.1)
             continue
@@ -88,10 +89,13 @@ def hit(point: str, texts: Sequence[str] | None = None, engine: Any = None) -> N
             if texts is not None and any(arg in text for text in texts):
                 os.kill(os.getpid(), signal.SIGKILL)
             continue
-        if action == "killonce=":
+        if action in ("killonce=", "hangonce="):
             try:
                 os.close(os.open(arg, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
+                continue
+            if action == "hangonce=":
+                time.sleep(3600)
                 continue
             os.kill(os.getpid(), signal.SIGKILL)
         n = _count(point, action + arg)

@@ -148,6 +148,20 @@ def test_an_engine_killed_once_mid_batch(run, engines, tmp_path, monkeypatch):
     assert Store(tmp_path / "store").embeddings(layer=-1).num_rows == len(texts)
 
 
+def test_a_hung_batch_times_out_and_is_retried_on_another_engine(run, engines, tmp_path, monkeypatch):
+    marker = tmp_path / "hung"
+    monkeypatch.setenv(faults.ENV, f"extract:hangonce={marker}")
+    texts = prompts(96, "hung")
+    summary, flow_run_id = run(write_csv(tmp_path / "in.csv", texts), tmp_path / "store", batch_size=32,
+                               layers="0,-1", batches_in_flight=1, batch_timeout=10, **RAY)
+    assert marker.exists()  # a batch hung
+    assert summary["embedded"] == len(texts) and not summary["quarantined"]
+    assert extract_run_counts(flow_run_id) == [1, 1, 2]
+    paths, per_prompt = published(tmp_path / "store")
+    assert len(per_prompt) == len(texts) and {n for _, n in per_prompt} == {1}
+    assert files_in_parts(tmp_path / "store") == paths
+
+
 def test_a_batch_that_kills_its_engine_every_time(run, engines, tmp_path, monkeypatch):
     texts = prompts(12, "poison")
     source = write_csv(tmp_path / "in.csv", texts)
@@ -173,13 +187,14 @@ def test_an_engine_serving_another_model_is_refused(engines):
     from layertap.errors import EngineError
 
     pool = engines()
-    engine = pool.engines[0]
-    if engine.probe is None and not engine.dead:
+    engine = next(e for e in pool.engines if not e.dead)
+    if engine.probe is None:
         pool._restarting(engine)  # ask it again, as after a restart
-    pool.expected = {**pool.expected, "fingerprint": "0" * 64}
+    expected = pool.expected
+    pool.expected = {**expected, "fingerprint": "0" * 64}  # the fault: the flow's model changed meanwhile
     try:
         with pytest.raises(EngineError, match=r"serves fingerprint \w+ where this flow has 0{64}: refusing it"):
             pool._settle(engine, wait=True)
     finally:
-        pool.expected = {**pool.expected, "fingerprint": pool.engines[1].report["fingerprint"]}
+        pool.expected = expected
     assert engine.dead
