@@ -282,20 +282,24 @@ class RayEngines:
         """Take a finished `ready` probe's answer: the engine is up (if it serves what the flow expects), or
         dead for good (its restarts spent, or it cannot start)."""
         ray = _ray()
-        if engine.probe is None or engine.dead:
-            return
-        done, _ = ray.wait([engine.probe], timeout=None if wait else 0)
-        if not done:
-            return
-        try:
-            report = ray.get(engine.probe)
-        except ray.exceptions.ActorUnavailableError:
-            engine.probe = engine.handle.ready.remote()  # still restarting: ask again
-            return
-        except ray.exceptions.RayActorError as exc:
-            engine.dead, engine.probe, engine.report = True, None, _cause_text(exc)
-            log.warning("ray: engine %d is gone: %s", engine.index, engine.report)
-            return
+        while True:
+            if engine.probe is None or engine.dead:
+                return
+            done, _ = ray.wait([engine.probe], timeout=None if wait else 0)
+            if not done:
+                return
+            try:
+                report = ray.get(engine.probe)
+                break
+            except ray.exceptions.ActorUnavailableError:
+                engine.probe = engine.handle.ready.remote()  # still restarting: ask again
+                if not wait:
+                    return
+                time.sleep(0.5)
+            except ray.exceptions.RayActorError as exc:
+                engine.dead, engine.probe, engine.report = True, None, _cause_text(exc)
+                log.warning("ray: engine %d is gone: %s", engine.index, engine.report)
+                return
         engine.probe = None
         wrong = {name: (report.get(name), want) for name, want in self.expected.items() if report.get(name) != want}
         if wrong:
@@ -375,16 +379,21 @@ class RayEngines:
             return {str(e.index): e.done for e in self.engines}
 
     def reference(self, texts, layers, pooling, trust_remote_code):
-        """The parity sample's Hugging Face vectors, computed on an engine's node."""
+        """The parity sample's Hugging Face vectors, computed on an engine's node (on another one if the engine
+        dies meanwhile: the check has no retries of its own)."""
         ray = _ray()
-        engine = self._pick()
-        try:
-            return ray.get(engine.handle.reference.remote(texts, list(layers), pooling, trust_remote_code))
-        except ray.exceptions.RayTaskError as exc:
-            raise _original(exc) from None
-        finally:
-            with self._lock:
-                engine.in_flight -= 1
+        for _ in range(len(self.engines) * (ACTOR_MAX_RESTARTS + 1)):
+            engine = self._pick()
+            try:
+                return ray.get(engine.handle.reference.remote(texts, list(layers), pooling, trust_remote_code))
+            except ray.exceptions.RayTaskError as exc:
+                raise _original(exc) from None
+            except ray.exceptions.RayActorError:
+                self._restarting(engine)
+            finally:
+                with self._lock:
+                    engine.in_flight -= 1
+        raise EngineError("ray: every engine died while computing the parity sample's reference")
 
     def activity(self):
         """The engines' `EngineActivity` added up (engines that are down count nothing)."""
