@@ -2,7 +2,8 @@
 address, as a user runs it: a real subprocess, real engines that are actors of that cluster.
 
 Killing the run kills its engines (they belong to the run's process) and leaves the cluster up; the rerun
-re-extracts nothing that was published; asking for more engines than the cluster holds fails at once.
+re-extracts nothing that was published; asking for more engines than the cluster holds fails at once. The
+engine's runner runs in a process of its own inside the actor, as it does on a GPU.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def cluster():
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(timeout=10)
+            head.wait(timeout=3)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
@@ -128,7 +129,7 @@ def test_an_existing_cluster_by_address(cluster, tiny_model, tmp_path):
     store = tmp_path / "store"
     source = write_csv(tmp_path / "in.csv", TEXTS)
     args = ["--input", source, "--model", tiny_model, "--store", str(store), "--layers", "0,-1",
-            "--batch-size", "32", "--parity-sample", "2", "--executor", "ray", "--engines", "1"]
+            "--batch-size", "32", "--parity-sample", "2", "--runner-process", "--executor", "ray", "--engines", "1"]
 
     # Killed mid-run (the flow's process SIGKILLs itself once its second batch is published, while its engine
     # works on the third): its engine goes with it, while the cluster stays up.
@@ -142,6 +143,7 @@ def test_an_existing_cluster_by_address(cluster, tiny_model, tmp_path):
     code, out, err = finish(run, tmp_path / "killed")
     assert code == -signal.SIGKILL, err[-3000:]
     assert any(cmd.startswith("ray::EngineActor") for cmd in seen.values()), seen  # its engine was an actor
+    assert any("multiprocessing.spawn" in cmd for cmd in seen.values()), seen  # whose runner had a process
     deadline = time.monotonic() + 60
     while marked(marker) and time.monotonic() < deadline:
         time.sleep(0.5)
