@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -205,6 +206,10 @@ def close_runners(force: bool = False) -> int:
     for runner in runners:
         with contextlib.suppress(Exception):
             runner.close()
+    ray_engines = sys.modules.get("layertap.ray_engines")
+    if ray_engines is not None:  # a run that only checked its cluster (it had nothing to extract) leaves it too
+        with contextlib.suppress(Exception):
+            ray_engines.disconnect()
     return len(runners)
 
 
