@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from layertap import faults
@@ -229,7 +229,6 @@ class _Engine:
     done: int = 0
     deaths: int = 0
     dead: bool = False
-    since: float = field(default_factory=time.monotonic)
 
     def name(self) -> str:
         where = f" on {self.report['host']}" if isinstance(self.report, dict) else ""
@@ -246,7 +245,7 @@ class RayEngines:
         self.address = connect(settings)
         self.plan = plan_engines(settings, _alive_nodes(ray), on_gpu_cluster(), self.address)
         self.expected = expected_identity(settings)
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._closed = False
         actor_settings = engine_settings(settings)
         actor = ray.remote(EngineActor).options(
@@ -317,7 +316,8 @@ class RayEngines:
             engine.deaths += 1
             if not engine.dead and engine.probe is None:
                 engine.probe = engine.handle.ready.remote()
-                engine.since = time.monotonic()
+                log.warning("ray: engine %s went down (%d time%s); Ray restarts it at most %d times",
+                            engine.name(), engine.deaths, "s" * (engine.deaths > 1), ACTOR_MAX_RESTARTS)
 
     def _pick(self) -> _Engine:
         """The engine that is up with the fewest batches in flight; waits (bounded) while all restart."""
