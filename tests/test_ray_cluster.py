@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def cluster():
         for pid in marked(temp):  # the cluster's processes outside the head's group (its workers)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def marked(marker: str) -> dict[int, str]:
@@ -133,7 +135,7 @@ def test_an_existing_cluster_by_address(cluster, tiny_model, tmp_path):
 
     # Killed mid-run (the flow's process SIGKILLs itself once its second batch is published, while its engine
     # works on the third): its engine goes with it, while the cluster stays up.
-    marker = tempfile.mkdtemp(prefix="lt-killed-run-", dir="/tmp")  # in the run's and its engines' environment
+    marker = str(tmp_path / "killed-run")  # in the run's and its engines' environment
     run = layertap(address, tmp_path / "killed", *args, "--batches-in-flight", "1",  # published one by one
                    env={"LAYERTAP_ENGINE_DIR": marker, "LAYERTAP_FAULTS": "publish.committed:kill@2"})
     seen: dict[int, str] = {}
