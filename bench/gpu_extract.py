@@ -925,6 +925,7 @@ def main() -> None:
                         help="dummy: vLLM draws the weights at load; random: a saved random-weight model, loaded "
                              "for real (built once under --weights-dir)")
     parser.add_argument("--weights-dir", default=os.path.join(tempfile.gettempdir(), "layertap-llama2-7b-random"))
+    parser.add_argument("--logs", help="folder to keep each mode's output in (vLLM logs its start-up phases there)")
     parser.add_argument("--worker", nargs=4, metavar=("MODE", "WORKLOADS", "MODEL_DIR", "OUT"))
     args = parser.parse_args()
     if args.worker:
@@ -973,10 +974,13 @@ def main() -> None:
                 [sys.executable, __file__, "--worker", mode, ",".join(group), model_dir, str(result_file)],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
             try:
-                _, stderr = proc.communicate(timeout=args.mode_timeout)
+                stdout, stderr = proc.communicate(timeout=args.mode_timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                _, stderr = proc.communicate()
+                stdout, stderr = proc.communicate()
+            if args.logs:
+                Path(args.logs).mkdir(parents=True, exist_ok=True)
+                (Path(args.logs) / f"{mode}-{group[0]}.log").write_text(stdout + stderr)
             found = json.loads(result_file.read_text()) if result_file.exists() else {}
             for workload in group:
                 if workload in found:
