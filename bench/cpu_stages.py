@@ -32,8 +32,9 @@ from pathlib import Path
 
 import duckdb
 
-from layertap.normalise import NormaliseRules
-from layertap.store import ExtractionKey, StoreDB
+from layertap.store.normalise import NormaliseRules
+from layertap.store.extraction_key import ExtractionKey
+from layertap.store.store_db import StoreDB
 
 RATIO_TARGET = 1.3
 RERUN_TARGET_S = 5.0

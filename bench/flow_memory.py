@@ -36,8 +36,8 @@ def main() -> int:
     import pyarrow.csv as pacsv
 
     from flows.embed import embed_flow
-    from layertap import engine_cache
-    from layertap.tiny_model import build_tiny_model
+    from layertap.runner import engine_cache
+    from layertap.model.tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="layertap-flow-memory-"))
     model = build_tiny_model(work / "model")

@@ -81,7 +81,7 @@ def build_model_dir(root: Path) -> str:
     """A config of the real shape plus layertap's byte-level tokenizer; no weights (loaded as dummy)."""
     from transformers import LlamaConfig
 
-    from layertap.tiny_model import _byte_level_tokenizer
+    from layertap.model.tiny_model import _byte_level_tokenizer
 
     path = root / "llama2-7b-shape"
     config = LlamaConfig(**LLAMA2_7B, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
@@ -461,7 +461,8 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
     os.environ["LAYERTAP_LOAD_FORMAT"] = LOAD_FORMAT
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.embed import embed_flow
-    from layertap import Store, engine_cache
+    from layertap import Store
+    from layertap.runner import engine_cache
     from layertap.settings import load_settings
 
     common = dict(model=model_dir, layers="all", pooling="last", dtype="bfloat16", parity_sample=PARITY_SAMPLE,
@@ -613,8 +614,8 @@ def run_layertap_runner_writing(model_dir: str, prompt_sets: list[list[str]]) ->
     from concurrent.futures import ThreadPoolExecutor
 
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
-    from layertap.validate import check_vectors
-    from layertap.writer import part_id_for, write_batch_files
+    from layertap.parts.checks import check_vectors
+    from layertap.parts.writer import part_id_for, write_batch_files
 
     t0 = time.perf_counter()
     runner = VllmRunner(EngineOptions(model=model_dir, dtype="bfloat16", load_format=LOAD_FORMAT))
@@ -828,8 +829,8 @@ def _cold_caches() -> None:
 def _finished(result: dict, prompts: list[str]) -> dict:
     result["prompts"] = len(prompts)
     result["switch_interval_s"] = sys.getswitchinterval()
-    if "layertap.writer" in sys.modules:
-        result["encoder_threads"] = sys.modules["layertap.writer"].encoder_threads()
+    if "layertap.parts.writer" in sys.modules:
+        result["encoder_threads"] = sys.modules["layertap.parts.writer"].encoder_threads()
     result["tokens"] = sum(len(p.encode()) + 1 for p in prompts)  # byte-level tokenizer + BOS
     if result["status"] == "ok":
         result["prompts_per_s"] = result["prompts"] / result["seconds"]
@@ -853,9 +854,9 @@ def worker(mode: str, workloads: str, model_dir: str, out: str) -> None:
     if os.environ.get("BENCH_SWITCH_INTERVAL"):  # seconds; Python's default is 0.005 (bench/task_overhead.py)
         sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
     if os.environ.get("BENCH_ENCODER_THREADS"):  # Parquet encoders of the flow's process (default: one per core)
-        import layertap.writer
+        import layertap.parts.writer
 
-        layertap.writer.encoder_threads = lambda: int(os.environ["BENCH_ENCODER_THREADS"])
+        layertap.parts.writer.encoder_threads = lambda: int(os.environ["BENCH_ENCODER_THREADS"])
     results: dict[str, dict] = {}
     session = None
     if mode in SESSION_MODES:
@@ -892,7 +893,7 @@ def build_random_weights_dir(path: Path) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from layertap.tiny_model import _byte_level_tokenizer
+    from layertap.model.tiny_model import _byte_level_tokenizer
 
     if (path / "model.safetensors.index.json").is_file():
         return str(path)

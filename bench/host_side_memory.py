@@ -103,8 +103,8 @@ def main() -> int:
 
     import layertap.batch as extract_task
     from flows.embed import embed_flow
-    from layertap import engine_cache
-    from layertap.tiny_model import build_tiny_model
+    from layertap.runner import engine_cache
+    from layertap.model.tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="layertap-host-side-"))
     # The stand-in never runs the model: a tiny one whose config claims the 7B shape fixes layers and width.

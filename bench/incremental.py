@@ -23,7 +23,7 @@ reader of the store's DuckDB file holds a lock the flow's own opens would wait o
 `layertap add` is timed apart (process start, registering the file, the event); `event_to_published_s`
 counts from its return, `add_to_published_s` (the headline cold_s / warm_s) from its start.
 
-CPU default: the tiny model (layertap.tiny_model), float32, parity sample 8: the settings of `make demo`.
+CPU default: the tiny model (layertap.model.tiny_model), float32, parity sample 8: the settings of `make demo`.
 --gpu-model: a Llama-2-7B-shaped folder (bench/gpu_extract.build_model_dir), LAYERTAP_LOAD_FORMAT=dummy,
 LAYERTAP_PARITY_SAMPLE=0, bfloat16, all layers. The cold run's engine start reuses whatever vLLM and torch
 cached on disk during the preparation run (compiled graphs), as a restarted engine does.
@@ -276,7 +276,7 @@ class Setup:
                          f"{run['state'].get('message')}")
         t_done = self.done_log_time(run["id"])
 
-        from layertap.registry import read_status
+        from layertap.store.registry import read_status
 
         history = read_status(self.store, last_runs=50)["runs"]
         recorded = [r for r in history if r["flow_run_id"] == run["id"]]
@@ -379,7 +379,7 @@ def main() -> int:
         model_dir = str(Path(args.model_dir).expanduser().resolve())
         model = {"dir": model_dir}
     else:
-        from layertap.tiny_model import build_tiny_model
+        from layertap.model.tiny_model import build_tiny_model
 
         model_dir = build_tiny_model(work / "tiny-model")
         model = {"shape": "layertap tiny model (llama, 4 layers, hidden 128)"}

@@ -2,7 +2,7 @@
 
 On short prompts the flow turns out more float32 per second than one writer thread can encode (a 7B
 model's 33 layers are 553 MB per 1024 prompts), so part writing, not the engine, bounds it. This times
-`layertap.writer.write_part` (the flow's own writer: byte-stream split, LZ4, page checksums, fsync,
+`layertap.parts.writer.write_part` (the flow's own writer: byte-stream split, LZ4, page checksums, fsync,
 rename) with 1, 2, 4, 8 and 16 parts written at once (up to twice the cores), whole batches through
 `write_batch_files` (split into files encoded in parallel, as the flow writes them) one and three at a
 time, and other encodings of one part, next to a plain sequential file write of the same bytes, into a
@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_stages import machine  # noqa: E402
 from task_overhead import Spinners  # noqa: E402
 
-from layertap import bfloat16  # noqa: E402
+from layertap.parts import bfloat16  # noqa: E402
 from layertap.settings import Settings  # noqa: E402
-from layertap.validate import check_vectors  # noqa: E402
-from layertap.writer import _part_table, part_writer, write_batch_files, write_part  # noqa: E402
+from layertap.parts.checks import check_vectors  # noqa: E402
+from layertap.parts.writer import _part_table, part_writer, write_batch_files, write_part  # noqa: E402
 
 LAYERS, HIDDEN = 33, 4096
 

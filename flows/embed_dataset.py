@@ -10,7 +10,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.pipeline import run_pipeline
-from layertap.registry import dataset_settings
+from layertap.store.registry import dataset_settings
 
 
 @flow(name="embed-dataset", flow_run_name="embed-dataset-{dataset}", log_prints=False)

@@ -10,8 +10,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from flows.embed_dataset import embed_dataset_flow
-from layertap import engine_cache
-from layertap.registry import Registry
+from layertap.runner import engine_cache
+from layertap.store.registry import Registry
 from layertap.settings import load_settings
 
 

@@ -23,18 +23,19 @@ from prefect.runtime import deployment, flow_run
 from prefect.utilities.annotations import quote
 
 from flows.store_turn import store_turn
-from layertap import engine_cache, faults
+from layertap import faults
 from layertap import progress as run_progress
-from layertap.disk_space import check_room
+from layertap.store.disk_space import check_room
 from layertap.errors import EngineError, ModelUnusable, StoreUnwritable
 from layertap.preflight import check_run
-from layertap.registry import Registry
+from layertap.store.registry import Registry
 from layertap.report import run_summary
+from layertap.runner import engine_cache
 from layertap.settings import DEPLOYMENT_LOCK_WAIT_S, Settings
-from layertap.store import StoreDB
-from layertap.store_lock import store_lock
-from layertap.truncation import truncation_length
-from layertap.writer import stored_value_bytes
+from layertap.store.store_db import StoreDB
+from layertap.store.lock import store_lock
+from layertap.model.truncation import truncation_length
+from layertap.parts.writer import stored_value_bytes
 from tasks import (
     extract_batch,
     ingest,
@@ -58,7 +59,7 @@ def resolve_model(settings: Settings) -> str:
     """The model folder to use; without one, the embedded tiny demo model (built once, then reused)."""
     if settings.model:
         return str(Path(settings.model).expanduser().resolve())
-    from layertap.tiny_model import build_tiny_model
+    from layertap.model.tiny_model import build_tiny_model
 
     return build_tiny_model(settings.demo_model_dir())
 

@@ -4,7 +4,7 @@ store, named from the store's path (`layertap-store-<folder>-<hash>`).
 The three deployments (embed, embed-new-rows, embed-nightly) may all point at one store. A run holds its
 store's slot for its whole duration, so a triggered run that arrives while the nightly run works waits its
 turn (visible in the Prefect UI's concurrency limits, and in the run's logs) and then runs; the slot is a
-lease that Prefect frees if its holder dies. The store's own lock (`layertap.store_lock`) still guards the
+lease that Prefect frees if its holder dies. The store's own lock (`layertap.store.lock`) still guards the
 store against runs that take no slot (`layertap run` from a shell).
 """
 
@@ -22,7 +22,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists
 
-from layertap.store_lock import LOCK_NAME, StoreLocked, describe_holder
+from layertap.store.lock import LOCK_NAME, StoreLocked, describe_holder
 
 
 def limit_name(store_dir: str | Path) -> str:

@@ -1,3 +1,3 @@
-from layertap.store import Store
+from layertap.store.reader import Store
 
 __all__ = ["Store"]

@@ -1,7 +1,7 @@
 """One batch, start to end on an engine's side: extract its vectors, check them, write its Parquet part.
 
 The same function runs wherever the engine is: in the flow's own process (the `extract-batch` task, local
-executor) and inside a Ray actor (`layertap.ray_engines`). It needs the batch's texts, not the store's
+executor) and inside a Ray actor (`layertap.runner.ray_engines`). It needs the batch's texts, not the store's
 database: the caller reads them, so the process that opens DuckDB stays the flow's. It returns the part's
 metadata (file paths, prompt hashes, refusals), never its vectors.
 """
@@ -13,14 +13,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from layertap import faults
-from layertap import validate as checks
-from layertap.disk_space import as_unwritable
-from layertap.engine_cache import discard_if_dead, get_runner
+from layertap.parts import checks
+from layertap.store.disk_space import as_unwritable
+from layertap.runner.engine_cache import discard_if_dead, get_runner
 from layertap.errors import ValidationError
 from layertap.settings import Settings
-from layertap.split_on_oom import extract_splitting
-from layertap.truncation import truncation_length, truncation_note
-from layertap.writer import part_id_for, write_batch_files
+from layertap.runner.split_on_oom import extract_splitting
+from layertap.model.truncation import truncation_length, truncation_note
+from layertap.parts.writer import part_id_for, write_batch_files
 
 log = logging.getLogger(__name__)
 

@@ -255,8 +255,8 @@ def preflight(settings) -> None:
         if not os.path.exists(path) and not glob.glob(path, recursive=True):
             raise InputError(f"input: no file matches {pattern}")
     if settings.model:
-        from layertap.layers import resolve_layers
-        from layertap.model_fingerprint import check_model_folder
+        from layertap.model.layers import resolve_layers
+        from layertap.model.fingerprint import check_model_folder
 
         resolve_layers(settings.layer_spec(), check_model_folder(settings.model, settings.load_format).num_layers)
     from layertap.preflight import check_run
@@ -326,8 +326,8 @@ def _dataset_options(args: argparse.Namespace) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from layertap.registry import dataset_settings
-    from layertap.up_to_date import finish_if_up_to_date
+    from layertap.store.registry import dataset_settings
+    from layertap.store.up_to_date import finish_if_up_to_date
 
     if args.dataset:
         options = _dataset_options(args)
@@ -339,7 +339,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Nothing new: answered from the store, without Prefect, torch or an engine.
     summary = finish_if_up_to_date(settings, args.dataset)
     if summary is None:
-        from layertap.engine_cache import check_executor
+        from layertap.runner.engine_cache import check_executor
 
         check_executor(settings)  # a Ray cluster too small for the engines asked for fails here, before Prefect
         with _progress_bar(args):
@@ -396,7 +396,7 @@ def send_rows_added(dataset: str, store: str, files: list[str]) -> str:
 
 
 def cmd_add(args: argparse.Namespace) -> int:
-    from layertap.registry import EXTRACTION_OPTIONS, Registry
+    from layertap.store.registry import EXTRACTION_OPTIONS, Registry
     from layertap.settings import load_settings
 
     given_names = ("text_column", *EXTRACTION_OPTIONS)
@@ -435,7 +435,7 @@ def cmd_add(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from layertap.registry import read_status
+    from layertap.store.registry import read_status
     from layertap.runner.warm_engine import list_engines
     from layertap.settings import load_settings
 
@@ -486,7 +486,7 @@ def _print_engines(engines: list[dict]) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from layertap.export import export_layers
+    from layertap.store.export import export_layers
     from layertap.errors import InputError
 
     if args.layer == "all":
@@ -504,7 +504,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from layertap.store_check import check_store
+    from layertap.store.check import check_store
 
     report = check_store(_store_dir(args))
     for problem in report.problems:
@@ -537,7 +537,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _start_warm_engine(settings) -> None:
     """Start the warm engine `settings` would attach to, and detach: it stays up for the runs to come."""
     from flows.pipeline import resolve_model
-    from layertap import engine_cache
+    from layertap.runner import engine_cache
 
     try:
         settings = settings.model_copy(update={"model": resolve_model(settings), "warm_engine": True})
@@ -547,7 +547,7 @@ def _start_warm_engine(settings) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from layertap.up_to_date import finish_if_up_to_date
+    from layertap.store.up_to_date import finish_if_up_to_date
 
     settings = settings_from_args(args, input=[str(SAMPLE_DATA)], text_column="text")
     preflight(settings)

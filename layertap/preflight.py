@@ -13,9 +13,11 @@ import json
 from pathlib import Path
 
 from layertap.errors import InputError
-from layertap.layers import resolve_layers
-from layertap.model_fingerprint import check_model_folder
-from layertap.store import DB_NAME, Store, check_inputs
+from layertap.model.layers import resolve_layers
+from layertap.model.fingerprint import check_model_folder
+from layertap.store.inputs import check_inputs
+from layertap.store.reader import Store
+from layertap.store.schema import DB_NAME
 
 
 def check_model_code(model_dir: str | Path, trust_remote_code: bool) -> None:

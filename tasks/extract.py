@@ -11,10 +11,10 @@ from prefect.runtime import task_run
 from prefect.tasks import exponential_backoff
 
 from layertap.batch import run_batch
-from layertap.engine_cache import get_runner
+from layertap.runner.engine_cache import get_runner
 from layertap.errors import ModelUnusable, StoreUnwritable
 from layertap.settings import Settings
-from layertap.store import StoreDB
+from layertap.store.store_db import StoreDB
 
 
 def batch_cache_key(context: Any, parameters: dict[str, Any]) -> str:

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from layertap.store import StoreDB
+from layertap.store.store_db import StoreDB
 
 
 @task(name="ingest", cache_policy=NO_CACHE, result_serializer="json")

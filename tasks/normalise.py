@@ -7,8 +7,8 @@ from dataclasses import asdict
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from layertap.normalise import NormaliseRules
-from layertap.store import StoreDB
+from layertap.store.normalise import NormaliseRules
+from layertap.store.store_db import StoreDB
 
 
 @task(name="normalise", cache_policy=NO_CACHE, result_serializer="json")

@@ -7,10 +7,11 @@ from dataclasses import asdict
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from layertap.layers import resolve_layers
-from layertap.model_fingerprint import read_model_info
-from layertap.normalise import NormaliseRules
-from layertap.store import ExtractionKey, StoreDB
+from layertap.model.layers import resolve_layers
+from layertap.model.fingerprint import read_model_info
+from layertap.store.normalise import NormaliseRules
+from layertap.store.extraction_key import ExtractionKey
+from layertap.store.store_db import StoreDB
 
 
 @task(name="register-extraction", cache_policy=NO_CACHE, result_serializer="json")

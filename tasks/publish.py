@@ -9,12 +9,14 @@ import numpy as np
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from layertap import engine_cache, faults
-from layertap import validate as checks
+from layertap import faults
+from layertap.parts import checks
+from layertap.runner import engine_cache
 from layertap.errors import ValidationError as CheckFailed
 from layertap.file_modes import make_dirs
 from layertap.settings import Settings
-from layertap.store import Publication, StoreDB
+from layertap.store.publish import Publication
+from layertap.store.store_db import StoreDB
 from tasks.extract import part_files
 
 

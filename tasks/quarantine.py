@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from layertap.store import StoreDB
+from layertap.store.store_db import StoreDB
 
 
 @task(name="quarantine-batch", cache_policy=NO_CACHE, result_serializer="json")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from layertap.store import StoreDB
-from layertap.validate import check_store_complete
+from layertap.store.store_db import StoreDB
+from layertap.parts.checks import check_store_complete
 
 
 @task(name="validate-store", cache_policy=NO_CACHE, result_serializer="json")

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from layertap import engine_cache
+from layertap.runner import engine_cache
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +30,7 @@ def prefect_harness():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """The tiny model at one path for every module, so flows and CLI runs share one engine."""
-    from layertap.tiny_model import build_tiny_model
+    from layertap.model.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.getbasetemp() / "shared" / ".layertap" / "tiny-model")
 

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 
-from layertap import engine_cache
+from layertap.runner import engine_cache
 from layertap.cli import main
-from layertap.registry import read_status
+from layertap.store.registry import read_status
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,7 +120,7 @@ def test_layer_out_of_range_is_one_line(tmp_path, tiny_model):
 
 
 def test_importing_the_library_and_cli_does_not_import_prefect(tmp_path):
-    code = "import sys, layertap, layertap.cli, layertap.settings, layertap.engine_cache; print('prefect' in sys.modules)"
+    code = "import sys, layertap, layertap.cli, layertap.settings, layertap.runner.engine_cache; print('prefect' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), check=True)
     assert out.stdout.strip() == "False"
 

@@ -24,8 +24,8 @@ def snapshot(store: Path) -> dict[str, str]:
 @pytest.fixture
 def store(tmp_path) -> Path:
     """A store that already holds rows (no engine needed to make one)."""
-    from layertap.normalise import NormaliseRules
-    from layertap.store import StoreDB
+    from layertap.store.normalise import NormaliseRules
+    from layertap.store.store_db import StoreDB
 
     db = StoreDB(tmp_path / "store")
     db.ingest([write_csv(tmp_path / "earlier.csv", ["earlier row", "another"])], "text")
@@ -100,7 +100,8 @@ def test_store_of_another_version_is_refused_and_left_alone(tmp_path, store):
 def test_a_bad_file_among_good_ones_fails_before_any_is_ingested(tmp_path, store):
     """Inputs are checked together: the good file is not half-ingested before the bad one fails."""
     from layertap.errors import InputError
-    from layertap.store import Store, StoreDB
+    from layertap.store.reader import Store
+    from layertap.store.store_db import StoreDB
 
     good = write_csv(tmp_path / "good.csv", ["fine"])
     bad = write_csv(tmp_path / "bad.csv", ["x"], column="body")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import duckdb
 
-from layertap.normalise import NormaliseRules, prompt_hash
-from layertap.registry import read_status
+from layertap.store.normalise import NormaliseRules, prompt_hash
+from layertap.store.registry import read_status
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = 2000
@@ -94,7 +94,7 @@ def run_flow(inputs, store, model, folder: Path, kill: str | None) -> subprocess
 
 def test_sigkill_at_twenty_points_loses_nothing(tmp_path, tiny_model):
     from layertap import Store
-    from layertap.validate import check_part
+    from layertap.parts.checks import check_part
 
     assert len({point for point, _ in KILLS}) == 20
     inputs = write_inputs(tmp_path)

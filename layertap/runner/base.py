@@ -16,7 +16,7 @@ class Extraction:
     """Pooled vectors for the kept prompts of one call.
 
     `vectors[layer]` is an array [len(kept), hidden] in the engine's precision (float32, float16, or
-    bfloat16 patterns: `layertap.bfloat16.as_float32` reads any of them); row i belongs to texts[kept[i]].
+    bfloat16 patterns: `layertap.parts.bfloat16.as_float32` reads any of them); row i belongs to texts[kept[i]].
     `rejected` maps an input position to the reason it was not embedded (e.g. longer than the model allows).
     `truncated` maps an input position that was cut to fit to its original token count.
     The vectors may live in a buffer the engine reuses: call `release()` once they are written. `buffer` is

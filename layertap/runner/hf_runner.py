@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from layertap.errors import EngineError
-from layertap.model_fingerprint import parameter_count, read_model_info, safetensors_header
+from layertap.model.fingerprint import parameter_count, read_model_info, safetensors_header
 from layertap.runner.base import POOLINGS, Extraction
 from layertap.settings import DTYPE_BYTES
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from layertap.bfloat16 import from_bits
+from layertap.parts.bfloat16 import from_bits
 from layertap.errors import EngineError, OutOfDeviceMemory
 from layertap.runner.base import EngineActivity, Extraction
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from layertap.bfloat16 import is_bfloat16
+from layertap.parts.bfloat16 import is_bfloat16
 from layertap.errors import EngineError, LayertapError
 
 

@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from layertap.bfloat16 import from_bits
+from layertap.parts.bfloat16 import from_bits
 from layertap.errors import EngineError
-from layertap.model_fingerprint import read_model_info
+from layertap.model.fingerprint import read_model_info
 from layertap.runner.base import POOLINGS, EngineActivity, Extraction
 from layertap.runner.engine_options import EngineOptions
 from layertap.runner.host_buffers import HostBuffers, Segment
@@ -89,7 +89,7 @@ class _Call:
 
 
 def _as_numpy(vectors: torch.Tensor) -> np.ndarray:
-    """A host buffer's view as numpy, sharing its memory (bfloat16 as `layertap.bfloat16` patterns)."""
+    """A host buffer's view as numpy, sharing its memory (bfloat16 as `layertap.parts.bfloat16` patterns)."""
     if vectors.dtype == torch.bfloat16:
         return from_bits(vectors.view(torch.int16).numpy())
     return vectors.numpy()

@@ -96,7 +96,7 @@ class WarmSpec:
 
     @classmethod
     def for_options(cls, options: EngineOptions) -> WarmSpec:
-        from layertap.model_fingerprint import fingerprint_model
+        from layertap.model.fingerprint import fingerprint_model
 
         return cls(options, fingerprint_model(options.model), installed_version("vllm"), layertap_code(),
                    os.environ.get("CUDA_VISIBLE_DEVICES", ""))
@@ -415,7 +415,7 @@ def _write_status(directory: Path, key: str, identity: dict, served: _Served) ->
     if now - _last_status.get(key, 0.0) < STATUS_EVERY_S:
         return
     _last_status[key] = now
-    from layertap.process_memory import device_bytes, tree_rss_bytes
+    from layertap.runner.process_memory import device_bytes, tree_rss_bytes
 
     status = {**identity, "clients": served.clients, "last_used": served.last_used,
               "idle_timeout": served.idle_timeout, "host_rss_bytes": tree_rss_bytes(os.getpid()),

@@ -83,7 +83,7 @@ def test_dataset_flow_refuses_run_options_that_belong_to_the_dataset(tmp_path, t
 
 def test_registered_flow_runs_every_dataset_and_reports_failures(tmp_path, tiny_model):
     from flows.embed_registered import embed_registered_flow
-    from layertap.registry import read_status
+    from layertap.store.registry import read_status
 
     store = tmp_path / "store"
     add(store, "news", write(tmp_path / "news.csv", "rain today", "sun tomorrow"), model=tiny_model, layers="0")

@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from layertap import engine_cache
+from layertap.runner import engine_cache
 from layertap.errors import ValidationError as CheckFailed
-from layertap.writer import encoder_threads
+from layertap.parts.writer import encoder_threads
 
 LAYERS = "0,2,-1"  # -> [0, 2, 4] on the 4-layer tiny model
 

@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from layertap import engine_cache, faults, progress
+from layertap import faults, progress
+from layertap.runner import engine_cache
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "shared_engine")
 
@@ -78,7 +79,7 @@ def test_a_failing_batch_is_retried_with_backoff(run, tmp_path, monkeypatch):
 
 def test_out_of_memory_splits_the_batch(run, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(faults.ENV, "extract:oom>1")  # only single prompts fit
-    with caplog.at_level(logging.WARNING, logger="layertap.split_on_oom"):
+    with caplog.at_level(logging.WARNING, logger="layertap.runner.split_on_oom"):
         summary, flow_run_id = run()
     assert summary["embedded"] == len(TEXTS) and not summary["quarantined"]
     assert extract_run_counts(flow_run_id) == [1, 1, 1]  # split inside the attempt, not retried
@@ -139,7 +140,7 @@ def test_a_full_disk_stops_the_run_at_once_with_one_line(run, tmp_path, monkeypa
     """No space left while a part is written: not retried, nothing quarantined, one line naming the cause;
     the next run, with room again, embeds everything."""
     from layertap.errors import StoreUnwritable
-    from layertap.registry import read_status
+    from layertap.store.registry import read_status
 
     monkeypatch.setenv(faults.ENV, "write.row-group:oserror=ENOSPC")
     with pytest.raises(StoreUnwritable, match=r"store .*store: No space left on device .*free space or make it"):
@@ -156,7 +157,7 @@ def test_a_run_that_cannot_fit_is_refused_with_the_numbers(run, tmp_path, monkey
     """Before extracting, the run's output (prompts x layers x width x bytes) is checked against free space."""
     from collections import namedtuple
 
-    from layertap import disk_space
+    from layertap.store import disk_space
     from layertap.errors import StoreUnwritable
 
     requests = engine_cache.runner_requests()
@@ -209,7 +210,7 @@ def test_a_model_that_vanishes_as_its_engine_starts_is_not_retried(tiny_model, t
     """The folder checked out, then lost its weights as the engine started: the engine's failure is reported
     as the model's, once; the batch is neither retried nor quarantined, and the run is recorded as failed."""
     from layertap.errors import ModelUnusable
-    from layertap.registry import read_status
+    from layertap.store.registry import read_status
 
     model = model_copy(tiny_model, tmp_path)
     start_early = engine_cache.start_early

@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-from layertap import Store, engine_cache, faults  # noqa: E402
+from layertap import Store, faults  # noqa: E402
+from layertap.runner import engine_cache  # noqa: E402
 from layertap.cli import main  # noqa: E402
 from layertap.settings import load_settings  # noqa: E402
 

@@ -45,8 +45,8 @@ def wait_until(what, timeout: float, server: Server, why: str):
 def test_a_triggered_run_waits_for_the_store_another_deployment_run_holds(tmp_path, tiny_model):
     from flows.store_turn import limit_name
     from layertap.cli import main
-    from layertap.registry import read_status
-    from layertap.store import StoreDB
+    from layertap.store.registry import read_status
+    from layertap.store.store_db import StoreDB
 
     # A dataset whose rows are all rejected and already read: its runs plan nothing and start no engine.
     store, gate = tmp_path / "store", tmp_path / "first-run-may-finish"

@@ -15,7 +15,7 @@ import pytest
 from test_prefect_yaml import PREFECT, Server, write_csv
 
 from layertap.runner import warm_engine
-from layertap.store_lock import store_lock
+from layertap.store.lock import store_lock
 
 BATCHES = [
     [f"Warm run one, row {i}." for i in range(30)] + ["", "Warm run one, row 3."],
@@ -79,7 +79,7 @@ def vectors(store, layer: int) -> dict[str, np.ndarray]:
 def test_triggered_runs_share_a_warm_engine(served, tmp_path, tiny_model, shared_engine, monkeypatch, capsys):
     from flows.embed import embed_flow
     from layertap.cli import main
-    from layertap.store import StoreDB
+    from layertap.store.store_db import StoreDB
 
     store, files = tmp_path / "store", [write_csv(tmp_path / f"rows{i}.csv", rows) for i, rows in enumerate(BATCHES)]
 

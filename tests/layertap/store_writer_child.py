@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from layertap.normalise import NormaliseRules
-from layertap.store import ExtractionKey, StoreDB
-from layertap.store_lock import store_lock
-from layertap.writer import write_part
+from layertap.store.normalise import NormaliseRules
+from layertap.store.extraction_key import ExtractionKey
+from layertap.store.store_db import StoreDB
+from layertap.store.lock import store_lock
+from layertap.parts.writer import write_part
 
 RULES = NormaliseRules()
 KEY = ExtractionKey("fp-child", "/models/child", "last", "float32", RULES.rules_id, hidden_size=8, num_layers=2)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from layertap.bfloat16 import (
+from layertap.parts.bfloat16 import (
     BFLOAT16,
     EXPONENT_PATTERN,
     as_float32,

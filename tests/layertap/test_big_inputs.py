@@ -11,9 +11,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from layertap.careful_reader import BATCH_ROWS, CarefulRows, read_csv_rows
+from layertap.store.careful_reader import BATCH_ROWS, CarefulRows, read_csv_rows
 from layertap.errors import InputError
-from layertap.store import StoreDB
+from layertap.store.store_db import StoreDB
 
 LONG = 200_000  # past Python's csv default field limit of 131,072 characters
 
@@ -119,7 +119,7 @@ def test_the_careful_reader_streams_a_file_duckdb_refuses(tmp_path):
 def test_a_careful_read_that_cannot_go_on_is_one_line_naming_file_and_line(tmp_path, monkeypatch):
     """A cell longer than the careful reader takes (in practice a quote never closed) fails the file with one
     line naming file and line, not the csv module's bare error."""
-    import layertap.careful_reader as careful
+    import layertap.store.careful_reader as careful
 
     monkeypatch.setattr(careful, "CSV_CELL_LIMIT", 1000)
     path = tmp_path / "odd.csv"

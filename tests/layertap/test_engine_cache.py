@@ -1,6 +1,6 @@
 """The process's engine registry: which engine a failed batch may discard."""
 
-from layertap import engine_cache
+from layertap.runner import engine_cache
 from layertap.settings import Settings
 
 

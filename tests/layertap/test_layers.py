@@ -3,7 +3,7 @@
 import pytest
 
 from layertap.errors import InputError
-from layertap.layers import resolve_layers
+from layertap.model.layers import resolve_layers
 
 
 @pytest.mark.parametrize(

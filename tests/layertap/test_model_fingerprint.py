@@ -10,8 +10,8 @@ import time
 import pytest
 
 from layertap.errors import InputError
-from layertap.model_fingerprint import WHOLE_FILE_LIMIT, fingerprint_model, read_model_info
-from layertap.tiny_model import build_tiny_model
+from layertap.model.fingerprint import WHOLE_FILE_LIMIT, fingerprint_model, read_model_info
+from layertap.model.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_parameter_count_reads_the_safetensors_headers_only(tiny, tmp_path):
     """What the parity reference's device memory is sized from: every weight stored, without loading any."""
     from safetensors.torch import load_file
 
-    from layertap.model_fingerprint import parameter_count
+    from layertap.model.fingerprint import parameter_count
 
     stored = sum(t.numel() for f in sorted(os.listdir(tiny)) if f.endswith(".safetensors")
                  for t in load_file(os.path.join(tiny, f)).values())
@@ -91,7 +91,7 @@ def test_the_parity_reference_runs_in_float32_on_a_machine_without_a_gpu(tiny):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     from layertap.runner.hf_runner import REFERENCE_SLACK_BYTES, reference_bytes, reference_placement
-    from layertap.model_fingerprint import parameter_count
+    from layertap.model.fingerprint import parameter_count
 
     assert reference_placement(str(tiny), "bfloat16") == ("cpu", "float32")
     assert reference_bytes(str(tiny), "bfloat16") == 2 * parameter_count(tiny) + REFERENCE_SLACK_BYTES

@@ -11,7 +11,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from layertap.normalise import WHITESPACE_CLASS, WHITESPACE_RANGES, NormaliseRules, prompt_hash
+from layertap.store.normalise import WHITESPACE_CLASS, WHITESPACE_RANGES, NormaliseRules, prompt_hash
 
 ALL_WHITESPACE = [chr(c) for c in range(sys.maxunicode + 1) if chr(c).isspace()]
 

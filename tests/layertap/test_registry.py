@@ -10,9 +10,11 @@ import duckdb
 import pytest
 
 from layertap.errors import InputError, StoreError
-from layertap.registry import Registry, check_name, read_status
-from layertap.store import DB_NAME, SCHEMA_VERSION, Store, StoreDB
-from layertap.store_lock import store_lock
+from layertap.store.registry import Registry, check_name, read_status
+from layertap.store.reader import Store
+from layertap.store.schema import DB_NAME, SCHEMA_VERSION
+from layertap.store.store_db import StoreDB
+from layertap.store.lock import store_lock
 
 OPTIONS = {"model": "/models/m", "layers": "0,-1", "pooling": "last", "dtype": "float32", "store_dtype": None,
            "remove_period": False}
@@ -79,7 +81,7 @@ def test_a_run_whose_process_died_is_marked_crashed_by_the_next_run(tmp_path):
     store = tmp_path / "store"
     Registry(store)
     code = ("import os, signal, sys\n"
-            "from layertap.registry import Registry\nfrom layertap.store_lock import store_lock\n"
+            "from layertap.store.registry import Registry\nfrom layertap.store.lock import store_lock\n"
             "with store_lock(sys.argv[1]):\n    Registry(sys.argv[1]).start_run('reviews', None)\n"
             "    os.kill(os.getpid(), signal.SIGKILL)")
     out = subprocess.run([sys.executable, "-c", code, str(store)], capture_output=True, text=True, timeout=120)

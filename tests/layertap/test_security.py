@@ -65,8 +65,10 @@ ODD_COLUMN = 'te"xt\'; DROP TABLE rows; --'
 
 def test_user_given_column_names_and_paths_stay_data(tmp_path):
     """Names that would break or rewrite interpolated SQL are read as they are, in every format."""
-    from layertap.normalise import NormaliseRules
-    from layertap.store import Store, StoreDB, check_inputs
+    from layertap.store.normalise import NormaliseRules
+    from layertap.store.inputs import check_inputs
+    from layertap.store.reader import Store
+    from layertap.store.store_db import StoreDB
 
     folder = tmp_path / "it's \"odd\"; DROP TABLE rows; --"
     folder.mkdir()
@@ -94,8 +96,8 @@ def test_paths_in_the_manifest_never_lead_outside_the_store(tmp_path):
     """A manifest edited to name a file outside the store (here a real Parquet file beside it) is refused by
     readers and reported by `layertap validate`, never read."""
     from layertap.errors import StoreError
-    from layertap.store import Store
-    from layertap.store_check import check_store
+    from layertap.store.reader import Store
+    from layertap.store.check import check_store
 
     store = tmp_path / "store"
     out = subprocess.run([sys.executable, str(CHILD), str(store), "1"], cwd=ROOT,

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from layertap.errors import StoreError
-from layertap.sorted_layer import read_layer_sorted
-from layertap.writer import write_batch_files, write_part
+from layertap.parts.sorted_layer import read_layer_sorted
+from layertap.parts.writer import write_batch_files, write_part
 
 
 def _hashes(n, salt):

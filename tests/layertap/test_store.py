@@ -19,9 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from layertap.errors import InputError, StoreError
-from layertap.normalise import NormaliseRules, prompt_hash
-from layertap.store import ExtractionKey, Publication, Store, StoreDB
-from layertap.writer import write_batch_files, write_part
+from layertap.store.normalise import NormaliseRules, prompt_hash
+from layertap.store.extraction_key import ExtractionKey
+from layertap.store.publish import Publication
+from layertap.store.reader import Store
+from layertap.store.store_db import StoreDB
+from layertap.parts.writer import write_batch_files, write_part
 
 RULES = NormaliseRules()
 HIDDEN = 4
@@ -496,7 +499,7 @@ def test_store_embeddings_returns_vectors_texts_sorted(db, inputs):
 def test_reading_vectors_never_holds_the_database(db, inputs, monkeypatch):
     """While a reader reads a layer's vectors, another process can open the store for writing (as a run does
     to publish), so a long read never makes a publish wait or fail."""
-    import layertap.store as store_module
+    import layertap.store.reader as store_module
 
     eid, batches = ingest_and_plan(db, inputs, layers=(0, 3), batch_size=3)
     publish(db, eid, batches)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from layertap.store_lock import StoreLocked, store_lock
+from layertap.store.lock import StoreLocked, store_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("store_writer_child.py")
@@ -28,7 +28,7 @@ def child(*args: str, code: str | None = None) -> subprocess.Popen:
 def holder(store: Path, seconds: float) -> subprocess.Popen:
     """A process that holds the store's lock for `seconds`, once it has printed "locked"."""
     proc = child(str(store), str(seconds), code=(
-        "import sys, time\nfrom layertap.store_lock import store_lock\n"
+        "import sys, time\nfrom layertap.store.lock import store_lock\n"
         "with store_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(float(sys.argv[2]))\n"
     ))
     assert proc.stdout.readline().strip() == "locked"
@@ -85,7 +85,7 @@ def test_the_flow_refuses_a_store_another_run_holds(tmp_path, prefect_harness, t
 
 
 def test_readers_read_while_a_writer_writes(tmp_path):
-    from layertap.store import Store
+    from layertap.store.reader import Store
 
     store = tmp_path / "store"
     proc = child(str(store), "12")

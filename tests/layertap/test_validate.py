@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from layertap.errors import ValidationError
-from layertap.validate import check_part, check_vectors, compare, parity_sample
-from layertap.writer import write_part
+from layertap.parts.checks import check_part, check_vectors, compare, parity_sample
+from layertap.parts.writer import write_part
 
 HASHES = [f"{i:064x}" for i in range(6)]
 
@@ -58,7 +58,7 @@ def test_bad_values_fail_naming_the_check(value, check):
 @pytest.mark.parametrize(("value", "check"), [(np.nan, "finite"), (-np.inf, "finite"), (-0.0, "non-zero")])
 def test_bad_bfloat16_values_fail_naming_the_check(value, check):
     """A bfloat16 engine's vectors are checked as they arrive, as 16-bit patterns."""
-    from layertap.bfloat16 import from_bits
+    from layertap.parts.bfloat16 import from_bits
 
     def truncated(data):  # float32 -> bfloat16 by dropping the low half (exact for these values)
         return {layer: from_bits((a.view(np.uint32) >> 16).astype(np.uint16)) for layer, a in data.items()}
@@ -77,17 +77,17 @@ def test_layers_of_one_host_buffer_are_checked_a_block_at_a_time_and_still_named
                                                                                   monkeypatch):
     """A runner's batch (every layer a view of one buffer) is checked several layers per numpy call; a bad
     value is still reported under its own layer."""
-    from layertap import bfloat16, validate
+    from layertap.parts import bfloat16, checks
 
     layers = [0, 1, 2, 3, 4]
     buffer = np.random.default_rng(1).standard_normal((5, 6, 8)).astype(np.float32)
     buffer[bad_layer, 3, 2] = np.nan
     if as_bfloat16:
         buffer = bfloat16.from_bits((buffer.view(np.uint32) >> 16).astype(np.uint16))
-    monkeypatch.setattr(validate, "CHECK_BLOCK_BYTES", 2 * buffer[0].nbytes)  # two layers per block
+    monkeypatch.setattr(checks, "CHECK_BLOCK_BYTES", 2 * buffer[0].nbytes)  # two layers per block
     blocks = []
-    monkeypatch.setattr(validate, "_checked_rows",
-                        lambda a, f16, check=validate._checked_rows: blocks.append(a.shape) or check(a, f16))
+    monkeypatch.setattr(checks, "_checked_rows",
+                        lambda a, f16, check=checks._checked_rows: blocks.append(a.shape) or check(a, f16))
     with pytest.raises(ValidationError, match=f"check 'finite': layer {bad_layer} has 1 vectors"):
         check_vectors({layer: buffer[j] for j, layer in enumerate(layers)}, layers, 6, 8)
     assert blocks[0] == (2, 6, 8) and len(blocks) == bad_layer // 2 + 1
@@ -106,7 +106,7 @@ def test_layers_of_one_host_buffer_are_checked_a_block_at_a_time_and_still_named
 def test_float16_storage_refuses_a_value_beyond_its_range_naming_the_layer(as_bfloat16):
     """Stored as float16, a value float16 cannot hold would be stored as inf: the batch fails its checks
     instead, naming the layer. The largest bfloat16 float16 holds passes, and float32 storage takes both."""
-    from layertap import bfloat16
+    from layertap.parts import bfloat16
 
     def batch(peak: float) -> dict[int, np.ndarray]:
         found = vectors(layers=(0, 5))

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from layertap.writer import MIN_FILE_BYTES, file_row_ranges, write_batch_files, write_part
+from layertap.parts.writer import MIN_FILE_BYTES, file_row_ranges, write_batch_files, write_part
 
 HASHES = ["a" * 64, "b" * 64, "c" * 64]
 
@@ -51,8 +51,8 @@ def test_float16_and_bfloat16_storage(tmp_path):
 def test_bfloat16_vectors_are_widened_exactly_one_row_group_at_a_time(tmp_path, monkeypatch):
     """A bfloat16 engine's vectors (16-bit patterns) are stored as the float32 values they are, converted
     a row group at a time so a file being written never holds all of its converted vectors at once."""
-    from layertap import writer
-    from layertap.bfloat16 import from_bits
+    from layertap.parts import writer
+    from layertap.parts.bfloat16 import from_bits
 
     hashes = [f"{i:064x}" for i in range(10)]
     wide = vectors([0, 7], n=10, hidden=6, seed=3)
@@ -78,9 +78,9 @@ def test_bfloat16_vectors_are_widened_exactly_one_row_group_at_a_time(tmp_path, 
 def test_layers_of_one_host_buffer_are_widened_together_and_stored_as_if_apart(tmp_path, monkeypatch):
     """A runner hands a batch's layers over as views of one [layers, rows, hidden] buffer: they are
     converted in one numpy call (row group by row group), and the file holds what separate arrays give."""
-    from layertap import writer
-    from layertap.bfloat16 import from_bits, to_float32
-    from layertap.layer_views import stacked_view
+    from layertap.parts import writer
+    from layertap.parts.bfloat16 import from_bits, to_float32
+    from layertap.parts.layer_views import stacked_view
 
     hashes = [f"{i:064x}" for i in range(10)]
     layers = [0, 3, 7]
@@ -222,7 +222,7 @@ def test_a_small_batch_stays_one_file_named_by_its_part_id(tmp_path):
 def test_a_file_that_fails_fails_the_batch_after_the_others_finish(tmp_path, monkeypatch):
     import errno
 
-    import layertap.writer as writer
+    import layertap.parts.writer as writer
 
     real_create = writer.create_file
 
@@ -243,7 +243,7 @@ def test_a_file_that_fails_fails_the_batch_after_the_others_finish(tmp_path, mon
 def test_the_room_a_value_needs_is_at_most_the_engine_s_own_width():
     """What a run's free-space check counts per value: a bfloat16 value stored as float32 has two all-zero
     low bytes, which the byte-plane split compresses away."""
-    from layertap.writer import stored_value_bytes
+    from layertap.parts.writer import stored_value_bytes
 
     assert stored_value_bytes("float32") == 4 and stored_value_bytes("float32", "float16") == 2
     assert stored_value_bytes("bfloat16") == stored_value_bytes("bfloat16", "float32") == 2

@@ -14,7 +14,7 @@ import torch
 
 from layertap.runner.hf_runner import HfRunner
 from layertap.runner.vllm_runner import EngineOptions, VllmRunner
-from layertap.tiny_model import build_tiny_model
+from layertap.model.tiny_model import build_tiny_model
 
 ON_GPU = torch.cuda.is_available()
 DTYPE = "bfloat16" if ON_GPU else "float32"

@@ -15,7 +15,7 @@ from test_vllm_runner import assert_parity
 from layertap.errors import EngineError, OutOfDeviceMemory
 from layertap.runner.engine_options import EngineOptions, vllm_is_cpu_build
 from layertap.runner.runner_process import RunnerProcess
-from layertap.split_on_oom import extract_splitting
+from layertap.runner.split_on_oom import extract_splitting
 
 # The child's engine fails any call of more prompts than this as a device out of memory would.
 OOM_ABOVE = 100

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from runner_fixtures import DTYPE, MAX_ABS_ERROR, MIN_COSINE, REFERENCE_DEVICE, STEP_TOKENS, varied_prompts
 
-from layertap.bfloat16 import as_float32
+from layertap.parts.bfloat16 import as_float32
 from layertap.errors import EngineError
 from layertap.runner import vllm_compat
 
@@ -191,7 +191,7 @@ def test_out_of_memory_inside_an_engine_step_splits_the_call_onto_a_fresh_engine
     import torch
 
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
-    from layertap.split_on_oom import extract_splitting
+    from layertap.runner.split_on_oom import extract_splitting
 
     options = EngineOptions(model=model_dirs["llama"], kv_cache_memory_bytes=64 * 2**20)
     started = [VllmRunner(options)]
@@ -285,7 +285,7 @@ def test_a_bfloat16_engine_hands_last_tokens_over_in_half_the_bytes_and_means_in
     its buffer serves the next batch. Means are summed in float32 and handed over so."""
     import os
 
-    from layertap.bfloat16 import is_bfloat16
+    from layertap.parts.bfloat16 import is_bfloat16
     from layertap.runner.hf_runner import HfRunner
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
 

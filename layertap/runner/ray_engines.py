@@ -155,7 +155,7 @@ def check_cluster(settings) -> EnginePlan:
 
 def expected_identity(settings) -> dict[str, str]:
     """What every engine must report: the flow's layertap code and vLLM version, and the model's fingerprint."""
-    from layertap.model_fingerprint import fingerprint_model
+    from layertap.model.fingerprint import fingerprint_model
     from layertap.runner.warm_engine import installed_version, layertap_code
 
     return {"layertap_code": layertap_code(), "vllm_version": installed_version("vllm"),
@@ -172,8 +172,8 @@ class EngineActor:
     batch body on it."""
 
     def __init__(self, settings, num_cpus: int, index: int):
-        from layertap.engine_cache import get_runner
-        from layertap.writer import limit_encoder_threads
+        from layertap.runner.engine_cache import get_runner
+        from layertap.parts.writer import limit_encoder_threads
 
         limit_encoder_threads(num_cpus)  # Parquet encoders on the actor's share of the node's cores
         self.settings, self.index, self.num_cpus = settings, index, num_cpus
@@ -204,7 +204,7 @@ class EngineActor:
 
     def reference(self, texts: list[str], layers: list[int], pooling: str, trust_remote_code: bool) -> dict:
         """Hugging Face's vectors for the parity sample, computed here so the flow never loads torch."""
-        from layertap.engine_cache import get_runner
+        from layertap.runner.engine_cache import get_runner
 
         runner = get_runner(self.settings)
         if hasattr(runner, "reference"):
@@ -214,7 +214,7 @@ class EngineActor:
         return hf_reference(self.settings.model, texts, layers, pooling, trust_remote_code)
 
     def activity(self):
-        from layertap.engine_cache import engine_activity
+        from layertap.runner.engine_cache import engine_activity
 
         return engine_activity(self.settings)
 

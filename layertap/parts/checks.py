@@ -12,10 +12,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from layertap import bfloat16, faults
+from layertap import faults
 from layertap.errors import ValidationError
-from layertap.layer_views import stacked_view
-from layertap.writer import layer_column
+from layertap.parts import bfloat16
+from layertap.parts.layer_views import stacked_view
+from layertap.parts.writer import layer_column
 
 # Layers of one host buffer are checked a block at a time, each block's scratch (magnitudes) at most this big.
 CHECK_BLOCK_BYTES = 32_000_000

@@ -10,9 +10,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from layertap import validate as checks
+from layertap.parts import checks
 from layertap.errors import StoreError, ValidationError
-from layertap.store import DB_NAME, _connect, part_path
+from layertap.store.publish import part_path
+from layertap.store.schema import DB_NAME, connect
 
 
 @dataclass
@@ -31,7 +32,7 @@ def check_store(store_dir: str | os.PathLike) -> StoreReport:
     root = Path(store_dir).expanduser().resolve()
     if not (root / DB_NAME).is_file():
         raise StoreError(f"{root}: not a layertap store (no {DB_NAME})")
-    with _connect(root / DB_NAME, read_only=True) as con:
+    with connect(root / DB_NAME, read_only=True) as con:
         found = con.execute(
             """SELECT p.part_id, p.path, p.layers, e.hidden_size, list(pp.prompt_hash)
             FROM parts p JOIN extractions e USING (extraction_id) JOIN part_prompts pp USING (part_id)

@@ -15,7 +15,9 @@ from datetime import datetime
 from pathlib import Path
 
 from layertap.errors import InputError, StoreError
-from layertap.store import DB_NAME, StoreDB, _connect, _one, check_inputs
+from layertap.store.inputs import check_inputs
+from layertap.store.schema import DB_NAME, connect, one
+from layertap.store.store_db import StoreDB
 
 # Safe in a Prefect resource id, a file name and a shell without quoting.
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -102,7 +104,7 @@ class Registry:
 
     def find(self, name: str) -> Dataset | None:
         with self.db._connect() as con:
-            found = _one(con, "SELECT name, text_column, options, created_at FROM datasets WHERE name = ?", [name])
+            found = one(con, "SELECT name, text_column, options, created_at FROM datasets WHERE name = ?", [name])
             if found is None:
                 return None
             sources = [
@@ -187,8 +189,8 @@ def read_status(store_dir: str | Path, last_runs: int = 5) -> dict:
     db_path = root / DB_NAME
     if not db_path.is_file():
         raise StoreError(f"{root}: not a layertap store (no {DB_NAME})")
-    with _connect(db_path, read_only=True) as con:
-        version = _one(con, "SELECT value FROM meta WHERE key = 'schema_version'")[0]
+    with connect(db_path, read_only=True) as con:
+        version = one(con, "SELECT value FROM meta WHERE key = 'schema_version'")[0]
         has_registry = version != "1"
         datasets = []
         if has_registry:
@@ -201,7 +203,7 @@ def read_status(store_dir: str | Path, last_runs: int = 5) -> dict:
             ).fetchall():
                 datasets.append({"name": name, "text_column": text_column, "options": json.loads(options),
                                  "files": files, "files_read": read, "rows": int(rows)})
-        rows, sources, prompts = _one(
+        rows, sources, prompts = one(
             con, "SELECT (SELECT count(*) FROM rows), (SELECT count(*) FROM sources), (SELECT count(*) FROM prompts)"
         )
         extractions = [

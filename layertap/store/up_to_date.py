@@ -12,15 +12,18 @@ import time
 from pathlib import Path
 
 from layertap import faults
-from layertap.layers import resolve_layers
-from layertap.normalise import NormaliseRules
-from layertap.registry import Registry
+from layertap.model.layers import resolve_layers
+from layertap.store.normalise import NormaliseRules
+from layertap.store.registry import Registry
 from layertap.report import run_summary
-from layertap.store import DB_NAME, ExtractionKey, StoreDB, expand_inputs
-from layertap.store_lock import store_lock
-from layertap.tiny_model import is_built
-from layertap.truncation import truncation_length
-from layertap.validate import check_store_complete
+from layertap.store.extraction_key import ExtractionKey
+from layertap.store.inputs import expand_inputs
+from layertap.store.schema import DB_NAME
+from layertap.store.store_db import StoreDB
+from layertap.store.lock import store_lock
+from layertap.model.tiny_model import is_built
+from layertap.model.truncation import truncation_length
+from layertap.parts.checks import check_store_complete
 
 
 def built_model(settings) -> str | None:

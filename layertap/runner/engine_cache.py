@@ -41,8 +41,8 @@ def runner_key(settings: Settings) -> tuple:
         raise ValueError("runner_key needs a resolved model directory")
     opts = tuple(sorted(settings.engine_options().items()))
     model = str(Path(settings.model).expanduser().resolve())
-    if settings.executor == "ray":  # the engines of a Ray cluster (`layertap.ray_engines`); never warm ones
-        from layertap.ray_engines import cluster_address
+    if settings.executor == "ray":  # the engines of a Ray cluster (`layertap.runner.ray_engines`); never warm ones
+        from layertap.runner.ray_engines import cluster_address
 
         return (model, settings.dtype, opts, "ray", cluster_address(settings), settings.engines)
     idle_timeout = settings.engine_idle_timeout if settings.warm_engine else None
@@ -92,7 +92,7 @@ def _model_problem(settings: Settings):
     one-line `ModelUnusable` error that is not retried; None when the folder looks whole and the engine
     failed for another reason."""
     from layertap.errors import ModelUnusable
-    from layertap.model_fingerprint import check_model_folder
+    from layertap.model.fingerprint import check_model_folder
 
     try:
         check_model_folder(settings.model, settings.load_format)
@@ -104,7 +104,7 @@ def _model_problem(settings: Settings):
 def _start(settings: Settings):
     """A new engine for these settings: the local one `start_runner` gives, or a Ray cluster's engines."""
     if settings.executor == "ray":
-        from layertap.ray_engines import RayEngines
+        from layertap.runner.ray_engines import RayEngines
 
         return RayEngines(settings)
     return start_runner(*engine_start_args(settings))
@@ -114,7 +114,7 @@ def check_executor(settings: Settings) -> None:
     """Before a run writes anything: with the ray executor, join the cluster and check that the engines asked
     for fit it (a one-line error if not). Nothing to check for the local executor."""
     if settings.executor == "ray":
-        from layertap.ray_engines import check_cluster
+        from layertap.runner.ray_engines import check_cluster
 
         check_cluster(settings)
 
@@ -206,7 +206,7 @@ def close_runners(force: bool = False) -> int:
     for runner in runners:
         with contextlib.suppress(Exception):
             runner.close()
-    ray_engines = sys.modules.get("layertap.ray_engines")
+    ray_engines = sys.modules.get("layertap.runner.ray_engines")
     if ray_engines is not None:  # a run that only checked its cluster (it had nothing to extract) leaves it too
         with contextlib.suppress(Exception):
             ray_engines.disconnect()

@@ -29,9 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layertap import faults
-from layertap.bfloat16 import is_bfloat16, to_float32
+from layertap.parts.bfloat16 import is_bfloat16, to_float32
 from layertap.file_modes import create_file, make_dirs
-from layertap.layer_views import stacked_view
+from layertap.parts.layer_views import stacked_view
 from layertap.settings import DTYPE_BYTES
 
 # What each dtype is stored as: a stored dtype (`Settings.stored_dtype`) as itself; a bfloat16 engine's

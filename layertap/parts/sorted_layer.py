@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from layertap.errors import StoreError
-from layertap.writer import encoder_threads
+from layertap.parts.writer import encoder_threads
 
 
 def _threads(files: int) -> int:

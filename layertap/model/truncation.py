@@ -8,7 +8,7 @@ extraction key, so truncated and untruncated results never mix.
 from __future__ import annotations
 
 from layertap.errors import InputError
-from layertap.model_fingerprint import read_model_info
+from layertap.model.fingerprint import read_model_info
 
 
 def truncation_length(model_dir: str, truncate: bool, max_model_len: int | None) -> int | None:

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from layertap.errors import InputError
-from layertap.store import Store
+from layertap.store.reader import Store
 
 FORMATS = ("parquet", "npy")
 
