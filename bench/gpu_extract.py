@@ -140,32 +140,32 @@ def session_vllm_plain(model_dir: str):
     """Plain generate(max_tokens=1): the engine started once; `measure(prompt_sets)` runs a workload on it."""
     from vllm import LLM, SamplingParams
 
+    from layertap.runner import vllm_seam
+
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, load_format=LOAD_FORMAT, dtype="bfloat16")
     startup = time.perf_counter() - t0
     llm.generate([f"warm-up prompt number {i}" for i in range(64)], SamplingParams(max_tokens=1), use_tqdm=False)
-    engine, step = llm.llm_engine, llm.llm_engine.step
     steps = {"steps": 0, "stepping_s": 0.0, "first_step_at_s": None}
 
-    def timed_step():  # how long generate spends adding its requests before the first step, and stepping
-        started = time.perf_counter()
-        if steps["first_step_at_s"] is None:
-            steps["first_step_at_s"] = started - steps.pop("called")
-        try:
-            return step()
-        finally:
-            steps["steps"] += 1
-            steps["stepping_s"] += time.perf_counter() - started
+    def timed(step):
+        def timed_step():  # how long generate spends adding its requests before the first step, and stepping
+            started = time.perf_counter()
+            if steps["first_step_at_s"] is None:
+                steps["first_step_at_s"] = started - steps.pop("called")
+            try:
+                return step()
+            finally:
+                steps["steps"] += 1
+                steps["stepping_s"] += time.perf_counter() - started
+        return timed_step
 
     def run(prompts):
         steps.update(steps=0, stepping_s=0.0, first_step_at_s=None, called=time.perf_counter())
         llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
 
-    engine.step = timed_step
-    scheduler = engine.vllm_config.scheduler_config
-    started = {"startup_s": startup, **_engine_kind(engine),
-               "gpu_memory_utilization": engine.vllm_config.cache_config.gpu_memory_utilization,
-               "max_num_batched_tokens": scheduler.max_num_batched_tokens, "max_num_seqs": scheduler.max_num_seqs}
+    vllm_seam.wrap_steps(llm, timed)
+    started = {"startup_s": startup, **vllm_seam.engine_config(llm)}
 
     def measure(prompt_sets: list[list[str]]) -> dict:
         return {**_passes(run, prompt_sets), "last_pass_engine_thread": dict(steps)}
@@ -185,12 +185,12 @@ def run_vllm_plain_v1_runner(model_dir: str, prompt_sets: list[list[str]]) -> di
     return run_vllm_plain(model_dir, prompt_sets)
 
 
-def _engine_kind(engine) -> dict:
+def _engine_kind(llm) -> dict:
     """Which of vLLM's model runners the engine uses and whether it schedules asynchronously."""
-    config = engine.vllm_config
-    uses_v2 = getattr(config, "use_v2_model_runner", None)
-    return {"model_runner": None if uses_v2 is None else ("v2" if uses_v2 else "v1"),
-            "async_scheduling": config.scheduler_config.async_scheduling}
+    from layertap.runner import vllm_seam
+
+    config = vllm_seam.engine_config(llm)
+    return {"model_runner": config["model_runner"], "async_scheduling": config["async_scheduling"]}
 
 
 def _memory_gib() -> dict[str, float]:
@@ -592,10 +592,12 @@ def session_layertap_runner(model_dir: str, engine_process: bool | None = None):
         return {**timing, "capture_buffer_bytes": runner.capture_buffer_bytes,
                 "host_buffers_allocated": runner.host_buffers_allocated}
 
-    config = runner.llm.llm_engine.vllm_config
+    from layertap.runner import vllm_seam
+
+    config = vllm_seam.engine_config(runner.llm)
     return {"startup_s": startup, "step_tokens": runner.step_tokens, "batch_size": BATCH,
-            "batches_in_flight": IN_FLIGHT, "engine_options": overrides, **_engine_kind(runner.llm.llm_engine),
-            "gpu_memory_utilization": config.cache_config.gpu_memory_utilization,
+            "batches_in_flight": IN_FLIGHT, "engine_options": overrides, **_engine_kind(runner.llm),
+            "gpu_memory_utilization": config["gpu_memory_utilization"],
             "engine_process": runner.engine_process}, measure
 
 
@@ -687,7 +689,7 @@ def _vllm_pooling(model_dir: str, prompt_sets: list[list[str]], **options) -> di
     startup = time.perf_counter() - t0
     llm.encode(prompt_sets[0][:64], pooling_task="embed", use_tqdm=False)  # warm-up
     timing = _passes(lambda prompts: llm.encode(prompts, pooling_task="embed", use_tqdm=False), prompt_sets)
-    return {**timing, "startup_s": startup, "options": options, **_engine_kind(llm.llm_engine)}
+    return {**timing, "startup_s": startup, "options": options, **_engine_kind(llm)}
 
 
 def run_vllm_pooling_eager(model_dir: str, prompt_sets: list[list[str]]) -> dict:
@@ -769,7 +771,7 @@ def run_vllm_plain_profiled(model_dir: str, prompt_sets: list[list[str]]) -> dic
     llm.generate(prompt_sets[0], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
     result = _profiled(lambda p: llm.generate(p, SamplingParams(max_tokens=1), use_tqdm=False),
                        prompt_sets[-1])
-    return {**result, **_engine_kind(llm.llm_engine)}
+    return {**result, **_engine_kind(llm)}
 
 
 def run_layertap_runner_profiled(model_dir: str, prompt_sets: list[list[str]]) -> dict:
@@ -786,7 +788,7 @@ def run_layertap_runner_profiled(model_dir: str, prompt_sets: list[list[str]]) -
     run(prompt_sets[0])  # warm-up
     # The engine's own thread steps it: the profiler is started and stopped there, between steps.
     result = _profiled(run, prompt_sets[-1], runner._in_engine_thread)
-    return {**result, **_engine_kind(runner.llm.llm_engine)}
+    return {**result, **_engine_kind(runner.llm)}
 
 
 def run_vllm_extract_hidden_states(model_dir: str, prompt_sets: list[list[str]]) -> dict:

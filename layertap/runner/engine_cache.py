@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from layertap.errors import EngineError
-from layertap.runner.engine_options import EngineOptions, vllm_is_cpu_build
+from layertap.runner.engine_options import EngineOptions
+from layertap.runner.vllm_seam import vllm_is_cpu_build
 
 if TYPE_CHECKING:
     from layertap.settings import Settings

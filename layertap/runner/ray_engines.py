@@ -142,7 +142,7 @@ def plan_engines(settings, nodes: list[dict[str, float]], on_gpu: bool, address:
 
 
 def on_gpu_cluster() -> bool:
-    from layertap.runner.engine_options import vllm_is_cpu_build
+    from layertap.runner.vllm_seam import vllm_is_cpu_build
 
     return not vllm_is_cpu_build()
 

@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -41,15 +40,9 @@ from layertap.errors import EngineError
 from layertap.model.fingerprint import read_model_info
 from layertap.runner.base import POOLINGS, EngineActivity, Extraction
 from layertap.runner.engine_options import EngineOptions
+from layertap.runner import vllm_seam
 from layertap.runner.host_buffers import HostBuffers, Segment
-from layertap.runner.vllm_compat import (
-    EXTENSION,
-    SINK_KEY,
-    add_prepared,
-    check_vllm,
-    prepare_requests,
-    sink_reference,
-)
+from layertap.runner.pooler import sink_reference
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +50,6 @@ log = logging.getLogger(__name__)
 # half the bytes. Means are summed in float32 and kept so: a mean carries more precision than its inputs.
 HOST_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPES = tuple(HOST_DTYPES)
-CPU_KV_CACHE_BYTES = 2**30
 
 
 @dataclass
@@ -101,21 +93,13 @@ def default_gpu_memory_share(options: EngineOptions) -> float:
     for the reference's own CUDA context and what vLLM takes beyond its share), as long as the engine keeps
     at least half the device. Extraction is prefill only: the KV cache holds only the prompts in flight, so a
     smaller share costs no speed."""
-    from vllm.platforms import current_platform
-
     from layertap.runner.hf_runner import ENGINE_MARGIN_BYTES, reference_bytes
 
     needed = reference_bytes(options.model, options.dtype) if options.load_format != "dummy" else None
     if not needed:
         return 0.9
-    share = 1.0 - (needed + ENGINE_MARGIN_BYTES) / current_platform.get_device_total_memory(0)
+    share = 1.0 - (needed + ENGINE_MARGIN_BYTES) / vllm_seam.device_total_memory()
     return round(min(0.9, share), 3) if share >= 0.5 else 0.9
-
-
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 class VllmRunner:
@@ -123,67 +107,30 @@ class VllmRunner:
 
     def __init__(self, options: EngineOptions):
         self.options = options
-        self.vllm_version = check_vllm()
+        self.vllm_version = vllm_seam.check_vllm()
         info = read_model_info(options.model)
         self.num_layers, self.hidden_size = info.num_layers, info.hidden_size
         if options.dtype not in DTYPES:
             raise EngineError(f"dtype: expected one of {', '.join(DTYPES)}, got {options.dtype!r}")
-        on_cpu = _on_cpu()
-        # Read by vLLM when the engine starts, below.
+        on_cpu = vllm_seam.on_cpu()
         self.engine_process = (not on_cpu) if options.engine_process is None else options.engine_process
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.engine_process else "0"
-        if self.engine_process:
-            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        # Compiled graphs include layertap's capture op: keep them apart from vLLM's own compile cache.
-        os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(os.path.expanduser("~"), ".cache", "layertap", "vllm"))
         from transformers import AutoTokenizer
-        from vllm import LLM
 
         self.tokenizer = AutoTokenizer.from_pretrained(
             options.model, trust_remote_code=options.trust_remote_code
         )
-        # The model is tapped while it loads (see vllm_compat.CaptureWorker), so torch.compile traces the
+        # The model is tapped while it loads (`vllm_seam.CaptureWorker`), so torch.compile traces the
         # capture into its graph. Tensor-parallel engines run eagerly unless asked otherwise.
         eager = options.tensor_parallel_size > 1 if options.enforce_eager is None else options.enforce_eager
-        kwargs = dict(
-            model=options.model,
-            runner="pooling",
-            convert="embed",
-            dtype=options.dtype,
-            enforce_eager=eager,
-            tensor_parallel_size=options.tensor_parallel_size,
-            trust_remote_code=options.trust_remote_code,
-            gpu_memory_utilization=options.gpu_memory_utilization
-            or (0.3 if on_cpu else default_gpu_memory_share(options)),
-            seed=options.seed,
-            enable_prefix_caching=True,
-            worker_extension_cls=EXTENSION,
-        )
-        if not eager:
-            # The capture op reads each step's request boundaries in Python, which a replayed CUDA graph
-            # would skip; prefill steps are thousands of tokens, beyond vLLM's CUDA-graph sizes anyway.
-            kwargs["compilation_config"] = {"cudagraph_mode": "NONE"}
-        if not on_cpu and options.tensor_parallel_size == 1:
-            # Schedule step n+1 while step n runs (vLLM leaves this off for pooling models by default).
-            kwargs["async_scheduling"] = True
-        if on_cpu and options.kv_cache_memory_bytes is None and options.gpu_memory_utilization is None:
-            # The CPU worker sizes its KV cache from memory the process has not used yet, which leaves
-            # nothing for a second engine in the same process; a fixed size does not depend on that.
-            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-        for name in ("max_num_batched_tokens", "max_model_len", "max_num_seqs", "load_format",
-                     "kv_cache_memory_bytes"):
-            if getattr(options, name) is not None:
-                kwargs[name] = getattr(options, name)
+        share = options.gpu_memory_utilization or (0.3 if on_cpu else default_gpu_memory_share(options))
         self.compiled = not eager
         log.info("starting vLLM %s on %s", self.vllm_version, options.model)
         try:
-            self.llm = LLM(**kwargs)
+            self.llm = vllm_seam.start_engine(options, self.engine_process, share, eager)
         except Exception as exc:
             raise EngineError(f"vLLM could not start on {options.model}: {exc}") from exc
-        config = self.llm.llm_engine.vllm_config
-        self.max_model_len = config.model_config.max_model_len
-        self.step_tokens = config.scheduler_config.max_num_batched_tokens
-        self._tasks = self.llm.llm_engine.get_supported_tasks()  # asked once, here: it calls into the engine
+        self.max_model_len, self.step_tokens = vllm_seam.engine_limits(self.llm)
+        self._tasks = vllm_seam.supported_tasks(self.llm)  # asked once, here: it calls into the engine
         self.capture_buffer_bytes = 0
         self._capture: tuple[tuple[int, ...], str] | None = None
         self._host = HostBuffers()
@@ -235,13 +182,13 @@ class VllmRunner:
             return Extraction(self._no_vectors(layers), [], rejected, 0, truncated)
         with self._gate:
             self._check_usable()
-            engine = self.llm.llm_engine
+            llm = self.llm
         vectors, segment = self._host.take((len(layers), len(kept), self.hidden_size), self.host_dtype(pooling))
         job = _Job(key=f"j{next(self._ids)}", capture=(layers, pooling),
                    token_ids=[token_ids[i] for i in kept], segment=segment)
         try:
-            job.requests = prepare_requests(engine, [f"{job.key}:{i}" for i in range(len(kept))],
-                                            job.token_ids, self._params(job), self._tasks)
+            job.requests = vllm_seam.prepare_requests(llm, [f"{job.key}:{i}" for i in range(len(kept))],
+                                                      job.token_ids, self._params(job), self._tasks)
         except Exception as exc:
             self._host.give_back(segment)  # nothing was queued on the device yet
             raise EngineError(f"vLLM refused the batch's prompts: {exc}") from exc
@@ -319,8 +266,8 @@ class VllmRunner:
                     active[job.key] = job
                 if active:
                     started = time.perf_counter()
-                    for output in self.llm.llm_engine.step():
-                        self._deliver(output, active)
+                    for finished in vllm_seam.step(self.llm):
+                        self._deliver(finished, active)
                     with self._activity_lock:
                         self._activity.steps += 1
                         self._activity.stepping_s += time.perf_counter() - started
@@ -342,33 +289,26 @@ class VllmRunner:
                 log.error("engine thread stopped: %s", exc)
 
     def _params(self, job: _Job):
-        from vllm import PoolingParams
-
         sink = sink_reference(job.segment.path, job.key, len(job.token_ids), self.host_dtype(job.capture[1]))
-        # Mean pooling needs every prompt token's hidden state, so it must not reuse cached prefixes.
-        return PoolingParams(task="embed", skip_reading_prefix_cache=job.capture[1] == "mean",
-                             extra_kwargs={SINK_KEY: sink})
+        return vllm_seam.pooling_params(sink, mean=job.capture[1] == "mean")
 
     def _admit(self, job: _Job) -> None:
         self._ensure_capture(*job.capture)
         job.remaining = len(job.requests)
         job.slots = [None] * job.remaining
-        engine = self.llm.llm_engine
         for request in job.requests:
-            add_prepared(engine, request)
+            vllm_seam.add_prepared(self.llm, request)
         job.requests = []  # vLLM holds them now
 
-    def _deliver(self, output, active: dict[str, _Job]) -> None:
-        if not output.finished:
-            return
+    def _deliver(self, output: vllm_seam.Finished, active: dict[str, _Job]) -> None:
         key, _, index = output.request_id.partition(":")
         job = active.get(key)
         if job is None:
             raise EngineError(f"vLLM returned an output for unknown request {output.request_id!r}")
         i = int(index.split("-")[0])
-        if list(output.prompt_token_ids) != job.token_ids[i]:
+        if output.prompt_token_ids != job.token_ids[i]:
             raise EngineError(f"vLLM output {output.request_id} does not belong to prompt {i} of its batch")
-        job.slots[i] = int(output.outputs.data.flatten()[0])
+        job.slots[i] = output.row
         job.remaining -= 1
         if job.remaining == 0:
             del active[key]
@@ -377,8 +317,8 @@ class VllmRunner:
     def _ensure_capture(self, layers: tuple[int, ...], pooling: str) -> None:
         if self._capture == (layers, pooling):
             return
-        sizes = self.llm.collective_rpc("layertap_install",
-                                        args=(list(layers), self.num_layers, self.hidden_size, pooling))
+        sizes = vllm_seam.call_workers(self.llm, "layertap_install",
+                                       list(layers), self.num_layers, self.hidden_size, pooling)
         self.capture_buffer_bytes = max(sizes)
         self._capture = (layers, pooling)
 
@@ -405,11 +345,11 @@ class VllmRunner:
         and have the worker map (on a GPU, page-lock) them now rather than inside an engine step."""
         made = self._host.reserve((layers, prompts, self.hidden_size), count, self.host_dtype(pooling))
         if made:
-            self._in_engine_thread(lambda: self.llm.collective_rpc("layertap_map_buffers", args=(made,)))
+            self._in_engine_thread(lambda: vllm_seam.call_workers(self.llm, "layertap_map_buffers", made))
 
     def mapped_host_buffers(self) -> list[str]:
         """Paths of the host buffers the engine's copying worker has mapped."""
-        return self._in_engine_thread(lambda: self.llm.collective_rpc("layertap_mapped_buffers"))[0]
+        return self._in_engine_thread(lambda: vllm_seam.call_workers(self.llm, "layertap_mapped_buffers"))[0]
 
     @property
     def host_buffers_allocated(self) -> int:
@@ -446,11 +386,11 @@ class VllmRunner:
         self._thread.join()
         self.llm = None
         try:  # a worker in this process unlocks its mappings before the buffers behind them go
-            llm.collective_rpc("layertap_unmap_buffers")
+            vllm_seam.call_workers(llm, "layertap_unmap_buffers")
         except Exception:  # noqa: BLE001 - a failed engine's worker may not answer; its process may be gone
             log.debug("unmapping host buffers in the engine raised", exc_info=True)
         self._host.clear()
         try:
-            llm.llm_engine.engine_core.shutdown()
+            vllm_seam.shutdown(llm)
         except Exception:  # pragma: no cover - best effort on teardown
             log.debug("engine shutdown raised", exc_info=True)

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from layertap.errors import EngineError
-from layertap.runner.engine_options import EngineOptions, vllm_is_cpu_build
+from layertap.runner.engine_options import EngineOptions
+from layertap.runner.vllm_seam import vllm_is_cpu_build
 from layertap.runner.runner_client import RunnerClient, receive_info
 from layertap.runner.runner_process import stop_group
 

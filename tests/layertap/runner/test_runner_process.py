@@ -13,7 +13,8 @@ from runner_fixtures import DTYPE, STEP_TOKENS, at_once, varied_prompts
 from test_vllm_runner import assert_parity
 
 from layertap.errors import EngineError, OutOfDeviceMemory
-from layertap.runner.engine_options import EngineOptions, vllm_is_cpu_build
+from layertap.runner.engine_options import EngineOptions
+from layertap.runner.vllm_seam import vllm_is_cpu_build
 from layertap.runner.runner_process import RunnerProcess
 from layertap.runner.split_on_oom import extract_splitting
 

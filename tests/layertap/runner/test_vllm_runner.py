@@ -11,7 +11,7 @@ from runner_fixtures import DTYPE, MAX_ABS_ERROR, MIN_COSINE, REFERENCE_DEVICE, 
 
 from layertap.parts.bfloat16 import as_float32
 from layertap.errors import EngineError
-from layertap.runner import vllm_compat
+from layertap.runner import vllm_seam
 
 
 def assert_parity(ours, reference, layers, min_cosine=MIN_COSINE, max_abs_error=MAX_ABS_ERROR):
@@ -86,11 +86,11 @@ def test_unknown_vllm_shape_is_a_clear_error(monkeypatch):
     """A vLLM release that renames a seam layertap relies on fails early, naming it."""
     from vllm.v1.pool import metadata
 
-    vllm_compat.check_vllm()
+    vllm_seam.check_vllm()
     monkeypatch.delattr(metadata.PoolingCursor, "__dataclass_fields__")
     monkeypatch.setattr(metadata, "PoolingCursor", type("PoolingCursor", (), {}))
     with pytest.raises(EngineError, match="PoolingCursor.last_token_indices_gpu"):
-        vllm_compat.check_vllm()
+        vllm_seam.check_vllm()
 
 
 def test_concurrent_callers_share_the_engine_and_get_their_own_rows(engines, references):
@@ -110,13 +110,13 @@ def test_by_default_the_engine_core_has_a_process_of_its_own_on_a_gpu_and_shares
     stays in the caller's process on a CPU (same cores either way; it starts sooner)."""
     from vllm.v1.engine.core_client import InprocClient, MPClient
 
-    from layertap.runner.vllm_runner import _on_cpu
+    from layertap.runner.vllm_seam import on_cpu
 
     runner = engines("llama")
     assert runner.options.engine_process is None
     client = runner.llm.llm_engine.engine_core
-    assert isinstance(client, InprocClient if _on_cpu() else MPClient), type(client)
-    assert runner.engine_process is not _on_cpu()
+    assert isinstance(client, InprocClient if on_cpu() else MPClient), type(client)
+    assert runner.engine_process is not on_cpu()
 
 
 def test_the_engine_thread_counts_its_steps_and_the_time_it_waited_for_work(engines):
@@ -246,9 +246,11 @@ def test_a_compiled_model_without_the_tap_is_refused(model_dirs, monkeypatch):
               compilation_config={"cudagraph_mode": "NONE"}, gpu_memory_utilization=0.3,
               kv_cache_memory_bytes=64 * 2**20)
     try:
-        spec = vllm_compat.CaptureSpec(layers=(0, 1), num_layers=4, hidden_size=128, pooling="last")
+        from layertap.runner.capture import CaptureSpec
+
+        spec = CaptureSpec(layers=(0, 1), num_layers=4, hidden_size=128, pooling="last")
         with pytest.raises(Exception, match="does not call layertap's capture hooks"):
-            llm.collective_rpc(partial(vllm_compat.install_capture, spec=spec))
+            llm.collective_rpc(partial(vllm_seam.install_capture, spec=spec))
     finally:
         llm.llm_engine.engine_core.shutdown()
 
