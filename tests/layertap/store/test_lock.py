@@ -15,7 +15,7 @@ import pytest
 
 from layertap.store.lock import StoreLocked, store_lock
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CHILD = Path(__file__).with_name("store_writer_child.py")
 
 
