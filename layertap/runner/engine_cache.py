@@ -43,7 +43,7 @@ def runner_key(settings: Settings) -> tuple:
     opts = tuple(sorted(settings.engine_options().items()))
     model = str(Path(settings.model).expanduser().resolve())
     if settings.executor == "ray":  # the engines of a Ray cluster (`layertap.runner.ray_engines`); never warm ones
-        from layertap.runner.ray_engines import cluster_address
+        from layertap.runner.ray_cluster import cluster_address
 
         return (model, settings.dtype, opts, "ray", cluster_address(settings), settings.engines)
     idle_timeout = settings.engine_idle_timeout if settings.warm_engine else None
@@ -115,7 +115,7 @@ def check_executor(settings: Settings) -> None:
     """Before a run writes anything: with the ray executor, join the cluster and check that the engines asked
     for fit it (a one-line error if not). Nothing to check for the local executor."""
     if settings.executor == "ray":
-        from layertap.runner.ray_engines import check_cluster
+        from layertap.runner.ray_cluster import check_cluster
 
         check_cluster(settings)
 
@@ -207,10 +207,10 @@ def close_runners(force: bool = False) -> int:
     for runner in runners:
         with contextlib.suppress(Exception):
             runner.close()
-    ray_engines = sys.modules.get("layertap.runner.ray_engines")
-    if ray_engines is not None:  # a run that only checked its cluster (it had nothing to extract) leaves it too
+    ray_cluster = sys.modules.get("layertap.runner.ray_cluster")
+    if ray_cluster is not None:  # a run that only checked its cluster (it had nothing to extract) leaves it too
         with contextlib.suppress(Exception):
-            ray_engines.disconnect()
+            ray_cluster.disconnect()
     return len(runners)
 
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from layertap import faults
-from layertap.errors import EngineError, InputError
+from layertap.errors import EngineError
+from layertap.runner.ray_cluster import alive_nodes, connect, disconnect, on_gpu_cluster, plan_engines, ray_module
 
 log = logging.getLogger(__name__)
 
@@ -39,118 +40,6 @@ log = logging.getLogger(__name__)
 ACTOR_MAX_RESTARTS = 3
 # How long engines may take to be placed on the cluster and start their vLLM engine.
 READY_TIMEOUT_S = 900.0
-# Environment the actors get from the flow's process: layertap's and vLLM's settings, where code and
-# models are found.
-FORWARDED_ENV_PREFIXES = ("LAYERTAP_", "VLLM_", "HF_")
-FORWARDED_ENV = ("PYTHONPATH", "TRANSFORMERS_OFFLINE")
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError:
-        raise InputError("executor: ray needs the ray extra (pip install 'layertap[ray]')") from None
-    return ray
-
-
-def cluster_address(settings) -> str:
-    """The cluster to use: the setting, else RAY_ADDRESS, else "local" (a cluster of this machine started for
-    the run; Ray would otherwise join a cluster `ray start` left running here)."""
-    return settings.ray_address or os.environ.get("RAY_ADDRESS") or "local"
-
-
-def forwarded_env() -> dict[str, str]:
-    """The variables the actors are given (a cluster's workers do not inherit the flow's environment)."""
-    return {name: value for name, value in os.environ.items()
-            if name.startswith(FORWARDED_ENV_PREFIXES) or name in FORWARDED_ENV}
-
-
-def connect(settings) -> str:
-    """Join the settings' cluster (or start a local one) unless this process already has; returns its address."""
-    ray = _ray()
-    address = cluster_address(settings)
-    if not ray.is_initialized():
-        try:
-            ray.init(address=address, runtime_env={"env_vars": forwarded_env()}, log_to_driver=False,
-                     include_dashboard=False, logging_level=logging.WARNING)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise EngineError(f"ray: cannot reach the cluster at {address}: {' '.join(str(exc).split())}") from None
-    return address
-
-
-def disconnect() -> None:
-    """Leave the cluster (a local cluster started by this process stops)."""
-    ray = _ray()
-    if ray.is_initialized():
-        ray.shutdown()
-
-
-@dataclass(frozen=True)
-class EnginePlan:
-    """How many engines, and what each asks the cluster for."""
-
-    engines: int
-    num_cpus: int
-    num_gpus: int
-    cluster: str  # what the cluster holds, for messages
-
-    def describe(self) -> str:
-        share = f"{self.num_gpus} GPU{'s' * (self.num_gpus > 1)} and " if self.num_gpus else ""
-        return f"{self.engines} engine{'s' * (self.engines != 1)} of {share}{self.num_cpus} CPU{'s' * (self.num_cpus > 1)}"
-
-
-def _alive_nodes(ray) -> list[dict[str, float]]:
-    return [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
-
-
-def plan_engines(settings, nodes: list[dict[str, float]], on_gpu: bool, address: str) -> EnginePlan:
-    """Engines for a cluster whose alive nodes hold `nodes` (Ray resources each); raises InputError, one
-    line, when the engines asked for cannot all be placed.
-
-    On GPUs each engine takes `tensor_parallel_size` GPUs of one node and that node's CPUs in proportion;
-    "auto" is as many as the nodes' GPUs hold. On CPUs, "auto" is one engine per node, each taking the CPUs
-    of the smallest node; a number of engines share the cluster's CPUs evenly (at least one each).
-    """
-    cpus = [int(node.get("CPU", 0)) for node in nodes]
-    gpus = [int(node.get("GPU", 0)) for node in nodes]
-    wanted = settings.engine_count()
-    tp = settings.tensor_parallel_size
-    where = f"the Ray cluster at {address}"
-    if on_gpu:
-        held = f"{sum(gpus)} GPUs on {len(nodes)} node{'s' * (len(nodes) != 1)}"
-        fits = sum(g // tp for g in gpus)
-        gpu_nodes = [(c, g) for c, g in zip(cpus, gpus) if g >= tp]
-        share = max(1, min((c * tp // g for c, g in gpu_nodes), default=1))
-        plan = EnginePlan(wanted or fits, share, tp, held)
-        per_node = [min(g // tp, c // share) for c, g in zip(cpus, gpus)]
-        if plan.engines == 0 or sum(per_node) < plan.engines:
-            raise InputError(
-                f"engines: {plan.describe()} (tensor_parallel_size {tp}) do not fit {where}, which holds {held}"
-                f" (at most {sum(per_node)})")
-        return plan
-    held = f"{sum(cpus)} CPUs on {len(nodes)} node{'s' * (len(nodes) != 1)}"
-    cpu_nodes = [c for c in cpus if c > 0]
-    if wanted is None:
-        share = max(1, min(cpu_nodes, default=1))
-        plan = EnginePlan(sum(c // share for c in cpu_nodes), share, 0, held)
-    else:
-        plan = EnginePlan(wanted, max(1, sum(cpus) // wanted), 0, held)
-    fits = sum(c // plan.num_cpus for c in cpus)
-    if plan.engines == 0 or fits < plan.engines:
-        raise InputError(f"engines: {plan.describe()} do not fit {where}, which holds {held} (at most {fits})")
-    return plan
-
-
-def on_gpu_cluster() -> bool:
-    from layertap.runner.vllm_seam import vllm_is_cpu_build
-
-    return not vllm_is_cpu_build()
-
-
-def check_cluster(settings) -> EnginePlan:
-    """Join the cluster and check that the engines asked for fit it, before the run writes anything."""
-    address = connect(settings)
-    return plan_engines(settings, _alive_nodes(_ray()), on_gpu_cluster(), address)
 
 
 def expected_identity(settings) -> dict[str, str]:
@@ -239,11 +128,11 @@ class RayEngines:
     """The run's engines on a Ray cluster, used through `engine_cache` like one local runner."""
 
     def __init__(self, settings, ready_timeout: float = READY_TIMEOUT_S):
-        ray = _ray()
+        ray = ray_module()
         self.settings = settings
         self.ready_timeout = ready_timeout
         self.address = connect(settings)
-        self.plan = plan_engines(settings, _alive_nodes(ray), on_gpu_cluster(), self.address)
+        self.plan = plan_engines(settings, alive_nodes(ray), on_gpu_cluster(), self.address)
         self.expected = expected_identity(settings)
         self._lock = threading.Lock()
         self._closed = False
@@ -280,7 +169,7 @@ class RayEngines:
     def _settle(self, engine: _Engine, wait: bool) -> None:
         """Take a finished `ready` probe's answer: the engine is up (if it serves what the flow expects), or
         dead for good (its restarts spent, or it cannot start)."""
-        ray = _ray()
+        ray = ray_module()
         while True:
             if engine.probe is None or engine.dead:
                 return
@@ -321,7 +210,7 @@ class RayEngines:
 
     def _pick(self) -> _Engine:
         """The engine that is up with the fewest batches in flight; waits (bounded) while all restart."""
-        ray = _ray()
+        ray = ray_module()
         deadline = time.monotonic() + self.ready_timeout
         while True:
             with self._lock:
@@ -347,7 +236,7 @@ class RayEngines:
                   attempt: int | None = None) -> dict:
         """Run the batch body on an engine that is up; returns the part's metadata. A dead or hung engine
         fails the batch (for Prefect to retry elsewhere) and is restarted by Ray."""
-        ray = _ray()
+        ray = ray_module()
         engine = self._pick()
         try:
             call = engine.handle.run_batch.options(max_task_retries=0)
@@ -381,7 +270,7 @@ class RayEngines:
     def reference(self, texts, layers, pooling, trust_remote_code):
         """The parity sample's Hugging Face vectors, computed on an engine's node (on another one if the engine
         dies meanwhile: the check has no retries of its own)."""
-        ray = _ray()
+        ray = ray_module()
         for _ in range(len(self.engines) * (ACTOR_MAX_RESTARTS + 1)):
             engine = self._pick()
             try:
@@ -399,7 +288,7 @@ class RayEngines:
         """The engines' `EngineActivity` added up (engines that are down count nothing)."""
         from layertap.runner.base import EngineActivity
 
-        ray = _ray()
+        ray = ray_module()
         total = EngineActivity()
         refs = [e.handle.activity.remote() for e in self.engines if not e.dead and e.probe is None]
         for ref in refs:
@@ -423,7 +312,7 @@ class RayEngines:
 
     def close(self) -> None:
         """Stop the engines; leave the cluster (a local one stops with it)."""
-        ray = _ray()
+        ray = ray_module()
         with self._lock:
             if self._closed:
                 return

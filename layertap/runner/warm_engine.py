@@ -2,7 +2,7 @@
 
 A triggered run of a few hundred new rows needs about a second of engine time, while starting vLLM takes
 tens of seconds to minutes, and every deployment run is a fresh process. A warm engine is a process of its
-own, detached from the run that started it, that serves runner calls (`layertap.runner.runner_service`)
+own (`warm_engine_serve`), detached from the run that started it, that serves runner calls (`runner_service`)
 on a Unix socket. Runs attach to it (`attach`), check that it serves their model, vLLM version and engine
 options, and use it as a `RunnerProcess`; several runs may be attached at once, each with its own calls and
 buffers.
@@ -31,12 +31,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,7 @@ from layertap.runner.runner_process import stop_group
 log = logging.getLogger(__name__)
 
 ENGINE_DIR_ENV = "LAYERTAP_ENGINE_DIR"
-ENGINE_MODULE = "layertap.runner.warm_engine"  # how an engine process is started, and told from others
+ENGINE_MODULE = "layertap.runner.warm_engine_serve"  # how an engine process is started, and told from others
 STARTS_LOG = "engine-starts.log"
 START_TIMEOUT_S = 1800.0  # a cold compile of a large model takes minutes; a dead start is seen at once
 STOP_TIMEOUT_S = 60.0
@@ -128,7 +127,7 @@ class WarmEngine(RunnerClient):
     def _peer_lost(self) -> str:
         if not engine_alive(self.pid):
             stop_group(self.pid)  # an engine core it left behind would keep the device's memory
-            _forget(self._directory, self.key)
+            forget_engine(self._directory, self.key)
         return f"the warm engine {self.key} (pid {self.pid}) went away"
 
     def _disconnect(self) -> None:
@@ -194,7 +193,7 @@ def list_engines(directory: str | os.PathLike | None = None) -> list[dict[str, A
         if engine_alive(status["pid"]):
             found.append(status)
         else:
-            _forget(directory, path.stem)
+            forget_engine(directory, path.stem)
     return found
 
 
@@ -206,7 +205,7 @@ def stop_engines(directory: str | os.PathLike | None = None, idle_only: bool = F
         if status["key"] == keep or (idle_only and status.get("clients")):
             continue
         stop(status["pid"])
-        _forget(engine_dir(directory), status["key"])
+        forget_engine(engine_dir(directory), status["key"])
         stopped += 1
     return stopped
 
@@ -250,7 +249,7 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _authkey(directory: Path) -> bytes:
+def authkey(directory: Path) -> bytes:
     path = directory / "authkey"
     with contextlib.suppress(FileExistsError):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -265,14 +264,14 @@ def _connect(directory: Path, key: str):
     if not sock.exists():
         return None
     try:
-        return Client(str(sock), "AF_UNIX", authkey=_authkey(directory))
+        return Client(str(sock), "AF_UNIX", authkey=authkey(directory))
     except (ConnectionRefusedError, FileNotFoundError, EOFError, ConnectionResetError):
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
         return None
 
 
-def _forget(directory: Path, key: str) -> None:
+def forget_engine(directory: Path, key: str) -> None:
     for suffix in (".sock", ".json"):
         with contextlib.suppress(FileNotFoundError):
             (directory / f"{key}{suffix}").unlink()
@@ -280,7 +279,7 @@ def _forget(directory: Path, key: str) -> None:
 
 def _start(directory: Path, key: str, spec: WarmSpec, idle_timeout: float) -> None:
     """Start the engine detached from this process (a session of its own), and wait until it listens."""
-    _forget(directory, key)
+    forget_engine(directory, key)
     (directory / f"{key}.spec").write_text(json.dumps({**spec.as_json(), "idle_timeout": idle_timeout}))
     log_path = directory / f"{key}.log"
     with log_path.open("wb") as out:
@@ -306,135 +305,3 @@ def _last_error(log_path: Path, code: int) -> str:
         if line.startswith("layertap-engine: error: "):
             return line.removeprefix("layertap-engine: error: ")
     return f"it exited with code {code} (see {log_path})"
-
-
-# --- the engine's side ----------------------------------------------------------------------------------
-class _Served:
-    """Who is attached and since when the engine has been idle, for the idle timeout and the status file."""
-
-    def __init__(self, idle_timeout: float):
-        self.lock = threading.Lock()
-        self.clients = 0
-        self.last_used = time.time()
-        self.idle_timeout = idle_timeout
-        self.stopping = threading.Event()
-
-    def touch(self) -> None:
-        self.last_used = time.time()
-
-    def idle_for(self) -> float:
-        return 0.0 if self.clients else time.time() - self.last_used
-
-
-def serve(directory: Path, key: str) -> int:
-    """The engine process: start the runner, listen, answer runs until idle, stopped or broken."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from layertap.runner.runner_service import answer_calls, engine_info
-    from layertap.runner.vllm_runner import VllmRunner
-
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    spec_json = json.loads((directory / f"{key}.spec").read_text())
-    served = _Served(float(spec_json.pop("idle_timeout")))
-    spec = WarmSpec.from_json(spec_json)
-    signal.signal(signal.SIGTERM, lambda *_: served.stopping.set())
-    signal.signal(signal.SIGINT, lambda *_: served.stopping.set())
-    now = WarmSpec.for_options(spec.options).as_json()
-    changed = [name for name, value in spec.as_json().items() if now[name] != value]
-    if changed:  # the model's files or layertap's code changed since the run asked for this engine
-        raise EngineError(f"{', '.join(changed)} changed before the engine for {spec.options.model} started")
-    runner = VllmRunner(spec.options)
-    started_at = time.time()
-    identity = {**engine_info(runner), **spec.as_json(), "key": key, "pid": os.getpid(), "model": spec.options.model,
-                "started_at": started_at}
-    workers = ThreadPoolExecutor(thread_name_prefix="layertap-call")
-    sock = directory / f"{key}.sock"
-    listener = Listener(str(sock.with_suffix(".starting")), "AF_UNIX", authkey=_authkey(directory))
-    os.chmod(sock.with_suffix(".starting"), 0o600)
-
-    def set_idle_timeout(call_id: int, seconds: float) -> None:
-        served.idle_timeout = seconds
-
-    def attached(conn) -> None:
-        try:
-            conn.send((0, True, identity))
-            answer_calls(conn, runner, workers, on_call=served.touch, extra_calls={"idle_timeout": set_idle_timeout})
-        finally:
-            with served.lock:
-                served.clients -= 1
-                served.touch()
-            conn.close()
-
-    def accept() -> None:
-        while not served.stopping.is_set():
-            try:
-                conn = listener.accept()
-            except Exception:  # noqa: BLE001 - a caller without the key, or one that left during the handshake
-                if served.stopping.is_set():
-                    return
-                continue
-            with served.lock:
-                if served.stopping.is_set():
-                    conn.close()
-                    return
-                served.clients += 1
-            threading.Thread(target=attached, args=(conn,), name="layertap-attached", daemon=True).start()
-
-    os.replace(sock.with_suffix(".starting"), sock)  # runs see the socket only once the engine is up
-    with (directory / STARTS_LOG).open("a") as starts:
-        starts.write(json.dumps({"key": key, "pid": os.getpid(), "started_at": started_at,
-                                 "model": spec.options.model}) + "\n")
-    threading.Thread(target=accept, name="layertap-accept", daemon=True).start()
-    _write_status(directory, key, identity, served)
-    log.info("warm engine %s ready on %s", key, sock)
-    try:
-        while not served.stopping.wait(STATUS_EVERY_S / 4):
-            if runner.failure is not None:
-                log.error("the engine failed: %s", runner.failure)
-                break
-            with served.lock:
-                if served.idle_for() > served.idle_timeout:
-                    served.stopping.set()
-                    log.info("idle for %.0f s: stopping", served.idle_for())
-                    break
-            _write_status(directory, key, identity, served)
-    finally:
-        served.stopping.set()
-        _forget(directory, key)
-        with contextlib.suppress(OSError):
-            listener.close()  # it would remove the socket under the name it was made with
-        runner.close()
-        workers.shutdown(wait=False, cancel_futures=True)
-    return 0
-
-
-_last_status: dict[str, float] = {}
-
-
-def _write_status(directory: Path, key: str, identity: dict, served: _Served) -> None:
-    now = time.time()
-    if now - _last_status.get(key, 0.0) < STATUS_EVERY_S:
-        return
-    _last_status[key] = now
-    from layertap.runner.process_memory import device_bytes, tree_rss_bytes
-
-    status = {**identity, "clients": served.clients, "last_used": served.last_used,
-              "idle_timeout": served.idle_timeout, "host_rss_bytes": tree_rss_bytes(os.getpid()),
-              "device_bytes": device_bytes(os.getpid()), "updated_at": now}
-    path = directory / f"{key}.json"
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(status, default=str))
-    os.replace(temporary, path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    directory, key = argv if argv is not None else sys.argv[1:]
-    try:
-        return serve(Path(directory), key)
-    except BaseException as exc:  # noqa: BLE001 - the run that started it reads this line
-        print(f"layertap-engine: error: {' '.join(str(exc).split()) or type(exc).__name__}", flush=True)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

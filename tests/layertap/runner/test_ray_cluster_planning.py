@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from layertap.errors import InputError
-from layertap.runner.ray_engines import EnginePlan, cluster_address, plan_engines
+from layertap.runner.ray_cluster import EnginePlan, cluster_address, plan_engines
 from layertap.settings import load_settings
 
 
