@@ -1,23 +1,16 @@
 """The only module that touches vLLM's internals, and the check that the installed vLLM is one they fit.
 
-layertap rides on vLLM's pooling runner: the engine is started as a pooling model, and once it has loaded
-the model's pooler is swapped for layertap's (`pooler.LayerCapturePooler`). vLLM then does all the
-bookkeeping that is easy to get wrong by hand: it orders the requests of each step (the runner's
-`query_start_loc`, shared by attention and the pooling cursor), tells which requests finished their
-prefill in this step (so a prompt split by chunked prefill yields its true last token), keeps a per-request
-state across steps (`PoolingStates`), and returns each finished request's output under its own request id.
-No LM head, no sampling.
+layertap rides on vLLM's pooling runner: the engine starts as a pooling model and its pooler is swapped for
+layertap's (`pooler`). vLLM then does the bookkeeping that is easy to get wrong by hand: it orders each
+step's requests (`query_start_loc`, shared by attention and the pooling cursor), says which finished their
+prefill (so a prompt split by chunked prefill yields its true last token), keeps per-request state across
+steps, and returns each output under its own request id. No LM head, no sampling.
 
-`CaptureWorker` is vLLM's worker extension for layertap, so the same code serves a worker in the caller's
-process, in an engine process of its own, or in tensor-parallel rank processes: importing this module in
-a worker's process hooks model loading (so the capture op's `LayerTap` is attached before torch.compile
-traces the model), and the engine calls its `layertap_install` by name to install the capture.
-
-On the caller's side, `start_engine` starts vLLM's `LLM` with layertap's options, and the runner drives it
-only through the functions here (adding requests, stepping, calling the workers, shutting down).
-
-At engine start `check_vllm` refuses a vLLM outside the tested range (`TESTED_RANGE_TEXT`) and one whose
-internals used here changed shape, each with one line. Importing this module loads neither torch nor vLLM.
+`CaptureWorker` is the worker extension: importing this module in a worker's process (the caller's, an
+engine process, tensor-parallel ranks) hooks model loading, so the capture op's `LayerTap` is attached
+before torch.compile traces the model. The caller starts and drives the engine only through the functions
+here. At engine start `check_vllm` refuses, in one line, a vLLM outside the tested range or one whose
+internals used here changed shape. Importing this module loads neither torch nor vLLM.
 """
 
 from __future__ import annotations
@@ -72,9 +65,7 @@ def check_vllm(version: str | None = None) -> str:
         from vllm.v1.pool.metadata import PoolingCursor, PoolingMetadata, PoolingStates
         from vllm.v1.worker.gpu_model_runner import AsyncGPUPoolingModelRunnerOutput, GPUModelRunner
     except ImportError as exc:  # pragma: no cover - depends on the installation
-        raise EngineError(
-            f"vLLM is not importable ({exc}); install layertap[cpu] or layertap[gpu]"
-        ) from exc
+        raise EngineError(f"vLLM is not importable ({exc}); install layertap[cpu] or layertap[gpu]") from exc
     version = check_version(version or getattr(vllm, "__version__", "unknown"))
     problems = []
     for cls, attrs in (
@@ -169,19 +160,10 @@ def start_engine(options: EngineOptions, engine_process: bool, gpu_memory_utiliz
     from vllm import LLM
 
     cpu = on_cpu()
-    kwargs = dict(
-        model=options.model,
-        runner="pooling",
-        convert="embed",
-        dtype=options.dtype,
-        enforce_eager=eager,
-        tensor_parallel_size=options.tensor_parallel_size,
-        trust_remote_code=options.trust_remote_code,
-        gpu_memory_utilization=gpu_memory_utilization,
-        seed=options.seed,
-        enable_prefix_caching=True,
-        worker_extension_cls=EXTENSION,
-    )
+    kwargs = dict(model=options.model, runner="pooling", convert="embed", dtype=options.dtype, enforce_eager=eager,
+                  tensor_parallel_size=options.tensor_parallel_size, trust_remote_code=options.trust_remote_code,
+                  gpu_memory_utilization=gpu_memory_utilization, seed=options.seed, enable_prefix_caching=True,
+                  worker_extension_cls=EXTENSION)
     if not eager:
         kwargs["compilation_config"] = {"cudagraph_mode": "NONE"}
     if not cpu and options.tensor_parallel_size == 1:
@@ -277,9 +259,7 @@ def decoder_layers(model):
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise EngineError(
-            f"cannot find decoder layers in {type(model).__name__} (expected .model.layers)"
-        )
+        raise EngineError(f"cannot find decoder layers in {type(model).__name__} (expected .model.layers)")
     return layers
 
 
