@@ -40,18 +40,20 @@ _running = threading.local()
 
 @torch.library.custom_op(
     "layertap::capture_site", mutates_args=("token",),
-    schema="(Tensor hidden, Tensor? residual, Tensor(a!) token, int site) -> ()",
+    schema="(Tensor hidden, Tensor? residual, Tensor(a!) token) -> ()",
 )
-def _capture_site(hidden, residual, token, site):
-    """Hand one site's residual stream to the running tap. `token` is declared as written so that
-    torch.compile keeps the call (an op with no outputs and no writes would be removed as dead code)."""
+def _capture_site(hidden, residual, token):
+    """Hand the next site's residual stream to the running tap. `token` is declared as written so that
+    torch.compile keeps the calls, in order (an op with no outputs and no writes would be removed as dead
+    code). The call carries no site number: every decoder block then compiles to the same graph, which
+    torch.compile's cache compiles once instead of once per block."""
     tap = getattr(_running, "tap", None)
     if tap is not None:
-        tap.capture(site, hidden, residual)
+        tap.capture_next(hidden, residual)
 
 
 @_capture_site.register_fake
-def _capture_site_fake(hidden, residual, token, site):
+def _capture_site_fake(hidden, residual, token):
     return None
 
 
@@ -68,6 +70,8 @@ class LayerTap:
         self.num_layers = len(layers)
         self.token = torch.zeros(1, device=next(model.parameters()).device)
         self.calls = 0
+        self.next_site = 0  # sites are numbered by the order of their calls within one forward
+        self.sites_per_forward: int | None = None  # counted at the end of the last forward that captured
         self.spec: CaptureSpec | None = None
         self.slot: dict[int, int] = {}
         self.buffer: torch.Tensor | None = None
@@ -78,23 +82,27 @@ class LayerTap:
 
         def running(module, args):
             _running.tap = self
+            self.next_site = 0
 
         def finished(module, args, output):
             _running.tap = None  # another model run later in this thread must not write here
+            if self.next_site:
+                self.sites_per_forward = self.next_site
 
         def block_input(module, args, kwargs):
             hidden, residual = split_block_input(args, kwargs)
-            torch.ops.layertap.capture_site(hidden, residual, self.token, 0)
+            torch.ops.layertap.capture_site(hidden, residual, self.token)
 
         # The hooks stay for the model's lifetime (a compiled graph keeps them anyway): no handles kept.
         model.register_forward_pre_hook(running)
         model.register_forward_hook(finished, always_call=True)
         layers[0].register_forward_pre_hook(block_input, with_kwargs=True)
-        for site in range(1, self.num_layers):
-            def block_output(module, args, output, site=site):
-                hidden, residual = split_block_output(output)
-                torch.ops.layertap.capture_site(hidden, residual, self.token, site)
-            layers[site - 1].register_forward_hook(block_output)
+        def block_output(module, args, output):
+            hidden, residual = split_block_output(output)
+            torch.ops.layertap.capture_site(hidden, residual, self.token)
+
+        for layer in layers[:-1]:
+            layer.register_forward_hook(block_output)
 
     def configure(self, spec: CaptureSpec, dtype: torch.dtype, query_start_loc: torch.Tensor) -> int:
         """Keep `spec.layers`, reduced by `spec.pooling`, in a fresh buffer; returns its size in bytes."""
@@ -115,7 +123,10 @@ class LayerTap:
         self.spec = spec
         return self.buffer.numel() * self.buffer.element_size()
 
-    def capture(self, site: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+    def capture_next(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """Site 0 is the first call of a forward, site k the (k+1)-th: the blocks run in order."""
+        site = self.next_site
+        self.next_site += 1
         self.calls += 1
         slot = self.slot.get(site)
         if slot is not None and self.spec is not None:

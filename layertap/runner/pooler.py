@@ -71,6 +71,10 @@ class LayerCapturePooler(nn.Module):
         return vllm_seam.no_pooling_updates()
 
     def forward(self, hidden_states: torch.Tensor, pooling_metadata) -> torch.Tensor:
+        if self.tap.sites_per_forward != self.tap.num_layers:
+            raise EngineError(
+                f"the model called layertap's capture op {self.tap.sites_per_forward} times in its last "
+                f"forward, not once per decoder block ({self.tap.num_layers}): its vectors would be misplaced")
         step = vllm_seam.PoolingStep(pooling_metadata)
         buffer, slot = self.tap.buffer, self.tap.slot
         final = self.tap.reduce(hidden_states, None) if self.spec.num_layers in self.spec.layers else None
