@@ -859,6 +859,10 @@ def worker(mode: str, workloads: str, model_dir: str, out: str) -> None:
         import layertap.parts.writer
 
         layertap.parts.writer.encoder_threads = lambda: int(os.environ["BENCH_ENCODER_THREADS"])
+    if os.environ.get("BENCH_BACKGROUND_NICE"):  # the nice value part writers run at (0: the process's own)
+        import layertap.parts.background
+
+        layertap.parts.background.BACKGROUND_NICE = int(os.environ["BENCH_BACKGROUND_NICE"])
     results: dict[str, dict] = {}
     session = None
     if mode in SESSION_MODES:

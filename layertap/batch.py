@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from layertap import faults
-from layertap.parts import checks
+from layertap.parts import background, checks
 from layertap.store.disk_space import as_unwritable
 from layertap.runner.engine_cache import discard_if_dead, get_runner
 from layertap.errors import ValidationError
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 # Value checks run beside the Parquet writers, on threads kept for the process: a thread started for each
 # batch left glibc heap behind batch after batch (bench/host_side_memory.py: ~4.5 MB per batch, 1.5 without).
-_CHECKERS = ThreadPoolExecutor(thread_name_prefix="layertap-check")
+_CHECKERS = ThreadPoolExecutor(thread_name_prefix="layertap-check", initializer=background.lower_this_thread)
 
 
 def _renewed(settings: Settings):

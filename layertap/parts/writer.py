@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layertap import faults
+from layertap.parts import background
 from layertap.parts.bfloat16 import is_bfloat16, to_float32
 from layertap.file_modes import create_file, make_dirs
 from layertap.parts.layer_views import stacked_view
@@ -242,7 +243,8 @@ def _encoders() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(encoder_threads(), thread_name_prefix="layertap-parquet")
+            _POOL = ThreadPoolExecutor(encoder_threads(), thread_name_prefix="layertap-parquet",
+                                       initializer=background.lower_this_thread)
         return _POOL
 
 

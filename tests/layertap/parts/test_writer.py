@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from layertap.parts import background
+from layertap.parts import writer as writer_module
 from layertap.parts.writer import MIN_FILE_BYTES, file_row_ranges, write_batch_files, write_part
 
 HASHES = ["a" * 64, "b" * 64, "c" * 64]
@@ -248,3 +253,22 @@ def test_the_room_a_value_needs_is_at_most_the_engine_s_own_width():
     assert stored_value_bytes("float32") == 4 and stored_value_bytes("float32", "float16") == 2
     assert stored_value_bytes("bfloat16") == stored_value_bytes("bfloat16", "float32") == 2
     assert stored_value_bytes("float16") == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priority is a Linux feature")
+def test_files_are_encoded_on_threads_that_yield_to_the_engine(tmp_path, monkeypatch):
+    """The encoders run at the background nice value; the thread that asked for the write keeps its own."""
+    nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+    real = writer_module.write_part
+
+    def recording(*args, **kwargs):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "write_part", recording)
+    hashes = [f"{i:064x}" for i in range(10)]
+    write_batch_files(tmp_path, "e", "p", hashes, vectors([0, 3], n=10, hidden=4), "float32",
+                      max_file_bytes=100, max_files=3)
+    assert len(seen) == 3 and all(value >= max(nice, background.BACKGROUND_NICE) for value in seen)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == nice
