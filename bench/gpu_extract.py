@@ -828,6 +828,14 @@ def _cold_caches() -> None:
         os.environ[name] = str(fresh / name.lower())
 
 
+def _compile_cache_state(mode: str) -> str:
+    """"cold" when the compile cache this mode's engine reads holds nothing yet, else "warm" (layertap's
+    engines keep theirs apart from vLLM's: `vllm_seam`)."""
+    default = Path.home() / ".cache" / ("layertap/vllm" if mode.startswith("layertap") else "vllm")
+    root = Path(os.environ.get("VLLM_CACHE_ROOT") or default) / "torch_compile_cache"
+    return "warm" if root.is_dir() and any(root.iterdir()) else "cold"
+
+
 def _finished(result: dict, prompts: list[str]) -> dict:
     result["prompts"] = len(prompts)
     result["switch_interval_s"] = sys.getswitchinterval()
@@ -853,6 +861,7 @@ def worker(mode: str, workloads: str, model_dir: str, out: str) -> None:
     them. Writes {workload: result}, rewritten after each workload (kept if a later one runs out of time)."""
     if mode in os.environ.get("BENCH_COLD_MODES", "").split(","):
         _cold_caches()
+    compile_cache = _compile_cache_state(mode)
     if os.environ.get("BENCH_SWITCH_INTERVAL"):  # seconds; Python's default is 0.005 (bench/task_overhead.py)
         sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
     if os.environ.get("BENCH_ENCODER_THREADS"):  # Parquet encoders of the flow's process (default: one per core)
@@ -888,7 +897,7 @@ def worker(mode: str, workloads: str, model_dir: str, out: str) -> None:
                 result = {**globals()[f"run_{mode}"](model_dir, prompt_sets), "status": "ok"}
         except Exception as exc:  # recorded in the results, the other workloads still run
             result = _failure(exc)
-        results[workload] = _finished(result, prompt_sets[-1])
+        results[workload] = {**_finished(result, prompt_sets[-1]), "compile_cache": compile_cache}
         Path(out).write_text(json.dumps(results, indent=1, default=str))
 
 

@@ -54,7 +54,8 @@ def merge(reports: list[dict], previous: dict) -> dict:
         for workload in WORKLOADS:
             for mode, result in (report.get(workload) or {}).get("modes", {}).items():
                 entry = _mode_entry(result)
-                entry["start"] = "cold" if mode in (report.get("cold_modes") or "").split(",") else "warm"
+                entry["start"] = result.get("compile_cache") or (
+                    "cold" if mode in (report.get("cold_modes") or "").split(",") else "warm")
                 workloads.setdefault(workload, {})[mode] = entry
     for modes in workloads.values():
         plain = (modes.get("vllm_plain") or {}).get("prompts_per_s")
@@ -83,9 +84,8 @@ def table(latest: dict) -> str:
         if workload in workloads:
             row = [f"{workload}: {label}", *(cell(workloads[workload].get(m), "prompts_per_s", ",.0f") for m in modes)]
             lines.append("| " + " | ".join(row) + " |")
-    first = next(iter(workloads.values()), {})
-    start = [f"{first[m]['start_s']:.0f} s ({first[m]['start']})" if first.get(m, {}).get("start_s") else "—"
-             for m in modes]
+    firsts = {m: next((w[m] for w in workloads.values() if w.get(m, {}).get("start_s")), None) for m in modes}
+    start = [f"{firsts[m]['start_s']:.0f} s ({firsts[m]['start']})" if firsts[m] else "—" for m in modes]
     lines.append("| " + " | ".join(["start-up (compile cache)", *start]) + " |")
     big = workloads.get("short100k", {})
     memory = [f"{big[m]['peak_tree_pss_gib']:.2f} GiB" if big.get(m, {}).get("peak_tree_pss_gib") else "—"
