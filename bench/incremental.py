@@ -23,6 +23,15 @@ reader of the store's DuckDB file holds a lock the flow's own opens would wait o
 `layertap add` is timed apart (process start, registering the file, the event); `event_to_published_s`
 counts from its return, `add_to_published_s` (the headline cold_s / warm_s) from its start.
 
+Each run's `phases` split the time after the event with the server's own records: the automation firing
+(`prefect.automation.triggered`), the flow run's creation by the trigger's run-deployment action, its
+Pending state (the runner picked it up: `serve`'s poll), its Running state (the run's process has started,
+imported Prefect and the flow, and entered the flow) and "embed done". `create_retries` counts the flow-run
+creations the server answered as busy (SQLite "database is locked"; the server logs them with
+PREFECT_API_LOG_RETRYABLE_ERRORS), each of which its client retries after about 2 s.
+--warm-repeats N measures N warm runs (each of --rows new rows) and reports their median beside the first;
+--runner-poll SECONDS sets `serve`'s PREFECT_RUNNER_POLL_FREQUENCY (default: flows/serve.py's POLL_SECONDS).
+
 CPU default: the tiny model (layertap.model.tiny_model), float32, parity sample 8: the settings of `make demo`.
 --gpu-model: a Llama-2-7B-shaped folder (bench/gpu_extract.build_model_dir), LAYERTAP_LOAD_FORMAT=dummy,
 LAYERTAP_PARITY_SAMPLE=0, bfloat16, all layers. The cold run's engine start reuses whatever vLLM and torch
@@ -117,6 +126,7 @@ class Setup:
             PREFECT_SERVER_ANALYTICS_ENABLED="false",
             PREFECT_SERVER_UI_ENABLED="false",
             PREFECT_CLI_PROMPT="false",
+            PREFECT_API_LOG_RETRYABLE_ERRORS="true",  # busy answers are counted from the server's log
             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             VLLM_LOGGING_LEVEL="WARNING",
             LAYERTAP_ENGINE_DIR=str(self.engine_dir),
@@ -243,9 +253,38 @@ class Setup:
             time.sleep(0.5)
         return None
 
+    def create_retries(self) -> int:
+        """How many flow-run creations the server has answered as busy so far."""
+        path = self.logs / "server.log"
+        return path.read_text(errors="replace").count("[SQL: INSERT INTO flow_run (") if path.is_file() else 0
+
+    def phases(self, event_id: str, occurred: float | None, flow_run_id: str, published: float) -> dict:
+        """Seconds from the event's own timestamp to each step the server recorded for its run."""
+        if occurred is None:
+            return {}
+        body = {"filter": {"event": {"name": ["prefect.automation.triggered"]},
+                           "related": {"id": [f"prefect.event.{event_id}"]},
+                           "occurred": {"since": "2000-01-01T00:00:00Z"}}, "limit": 5}
+        triggered = None
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+            found = self.http.post("/events/filter", json=body).json()["events"]
+            triggered = min((parse_time(e["occurred"]) for e in found), default=None)
+        states = {}
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+            for state in self.http.get("/flow_run_states/", params={"flow_run_id": flow_run_id}).json():
+                states.setdefault(state["type"], parse_time(state["timestamp"]))
+        marks = [("automation_triggered", triggered), ("created", states.get("SCHEDULED")),
+                 ("pending", states.get("PENDING")), ("running", states.get("RUNNING")), ("published", published)]
+        out = {f"event_to_{name}_s": since(t, occurred) for name, t in marks}
+        steps = [(name, t) for name, t in marks if t is not None]
+        for (a, ta), (b, tb) in zip(steps, steps[1:]):
+            out[f"{a}_to_{b}_s"] = round(tb - ta, 3)
+        return out
+
     def triggered_run(self, name: str, csv_path: str, first_add_args: list[str], timeout: float) -> dict:
         """`layertap add` one file, then wait for the flow run its event triggers; the run's timings."""
         known = {r["id"] for r in self.flow_runs()}
+        retries_before = self.create_retries()
         starts_before = len(self.engine_starts())
         cmd = [sys.executable, "-m", "layertap.cli", "add", "--dataset", DATASET, "--input", csv_path,
                "--store", str(self.store), "--json", *first_add_args]
@@ -287,6 +326,8 @@ class Setup:
         published = t_done if t_done is not None else t_final_seen
         occurred = self.event_occurred(added["event"])
         return {
+            "phases": {**self.phases(added["event"], occurred, run["id"], published),
+                       "create_retries": self.create_retries() - retries_before},
             "file": csv_path,
             "add_s": round(t_added - t0, 3),
             "add_to_published_s": round(published - t0, 3),
@@ -323,6 +364,14 @@ class Setup:
             raise Failed(f"the no-op run found work: {summary}")
         return {"wall_s": round(wall, 3), "summary_seconds": summary.get("seconds"),
                 "embedded": summary.get("embedded"), "planned": summary.get("planned"), "rows": summary.get("rows")}
+
+
+def median(values) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return None
+    middle = len(known) // 2
+    return round(known[middle] if len(known) % 2 else (known[middle - 1] + known[middle]) / 2, 3)
 
 
 def machine_name() -> str:
@@ -362,11 +411,17 @@ def main() -> int:
     parser.add_argument("--gpu-latest", metavar="PATH", help="also set this JSON file's incremental_<rows> key")
     parser.add_argument("--run-timeout", type=float, default=1800, help="seconds per triggered run (default: 1800)")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (store, logs) afterwards")
+    parser.add_argument("--warm-repeats", type=int, default=1, metavar="N",
+                        help="warm runs to measure, each of --rows new rows (default: 1)")
+    parser.add_argument("--runner-poll", type=float, metavar="SECONDS",
+                        help="serve's PREFECT_RUNNER_POLL_FREQUENCY (default: flows/serve.py's POLL_SECONDS)")
     args = parser.parse_args()
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # tear down on a kill as on Ctrl-C
     work = Path(tempfile.mkdtemp(prefix="lt-incr-"))  # short: warm engines' sockets live under it
     extra_env: dict[str, str] = {}
+    if args.runner_poll is not None:
+        extra_env["PREFECT_RUNNER_POLL_FREQUENCY"] = str(args.runner_poll)
     dtype = args.dtype
     if args.gpu_model:
         from bench.gpu_extract import LLAMA2_7B, build_model_dir
@@ -390,14 +445,19 @@ def main() -> int:
     files = {
         "done": write_csv(work / "done.csv", prompts(0, args.done_rows)),
         "cold": write_csv(work / "new1.csv", prompts(args.done_rows, args.rows)),
-        "warm": write_csv(work / "new2.csv", prompts(args.done_rows + args.rows, args.rows)),
     }
+    warm_names = ["warm"] + [f"warm{i}" for i in range(2, max(args.warm_repeats, 1) + 1)]
+    for i, warm in enumerate(warm_names):
+        files[warm] = write_csv(work / f"new{i + 2}.csv", prompts(args.done_rows + (i + 1) * args.rows, args.rows))
 
     from layertap.runner import warm_engine
 
     setup = Setup(work, extra_env)
+    from flows.serve import POLL_SECONDS
+
     report: dict = {"command": "python " + " ".join(sys.argv), "model": model, "rows": args.rows,
-                    "done_rows": args.done_rows, "work_dir": str(work)}
+                    "done_rows": args.done_rows, "work_dir": str(work),
+                    "runner_poll_s": args.runner_poll if args.runner_poll is not None else POLL_SECONDS}
     ok = False
     try:
         t = time.perf_counter()
@@ -418,11 +478,14 @@ def main() -> int:
         if warm_engine.list_engines(setup.engine_dir):
             raise Failed("a warm engine is still up after stopping them")
 
-        for name in ("cold", "warm"):
+        for name in ("cold", *warm_names):
             runs[name] = setup.triggered_run(name, files[name], [], args.run_timeout)
             r = runs[name]
+            p = r["phases"]
             log(f"{name}: {r['summary']['embedded']} embedded; add {r['add_s']:.2f} s, published "
-                f"{r['add_to_published_s']:.2f} s after add started, flow {r['flow_s']:.2f} s, "
+                f"{r['add_to_published_s']:.2f} s after add started, {r['event_to_published_s']} s after the event "
+                f"(created {p.get('event_to_created_s')}, pending {p.get('event_to_pending_s')}, running "
+                f"{p.get('event_to_running_s')}; busy retries {p['create_retries']}), flow {r['flow_s']:.2f} s, "
                 f"engine busy {r['summary']['engine_busy_seconds']} s, engines started {len(r['engines_started'])}")
             if r["summary"]["embedded"] != args.rows:
                 raise Failed(f"{name}: embedded {r['summary']['embedded']}, not {args.rows}")
@@ -457,8 +520,19 @@ def main() -> int:
             "cold_event_to_published_s": runs["cold"]["event_to_published_s"],
             "warm_event_to_published_s": runs["warm"]["event_to_published_s"],
             "engine_starts_during_cold": len(runs["cold"]["engines_started"]),
-            "engine_starts_during_warm": len(runs["warm"]["engines_started"]),
+            "engine_starts_during_warm": sum(len(runs[w]["engines_started"]) for w in warm_names),
+            "warm_phases": runs["warm"]["phases"],
         }
+        if len(warm_names) > 1:
+            warm_runs = [runs[w] for w in warm_names]
+            result.update(
+                warm_repeats=len(warm_runs),
+                warm_median_s=median(r["add_to_published_s"] for r in warm_runs),
+                warm_median_event_to_published_s=median(r["event_to_published_s"] for r in warm_runs),
+                warm_median_flow_s=median(r["flow_s"] for r in warm_runs),
+                warm_median_phases={key: median(r["phases"].get(key) for r in warm_runs)
+                                    for key in runs["warm"]["phases"]},
+            )
         report[f"incremental_{args.rows}"] = result
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -484,8 +558,11 @@ def main() -> int:
     warm_ok = result["engine_starts_during_warm"] == 0
     print(f"incremental {args.rows} rows on {name}: cold {result['cold_s']:.2f} s (flow {result['cold_flow_s']:.2f}, "
           f"engine busy {result['cold_engine_busy_s']}), warm {result['warm_s']:.2f} s (flow "
-          f"{result['warm_flow_s']:.2f}, engine busy {result['warm_engine_busy_s']}), noop {result['noop_s']:.2f} s; "
-          f"engines started during warm: {result['engine_starts_during_warm']}"
+          f"{result['warm_flow_s']:.2f}, engine busy {result['warm_engine_busy_s']}), noop {result['noop_s']:.2f} s"
+          + (f"; warm median of {result['warm_repeats']}: {result['warm_median_s']:.2f} s "
+             f"({result['warm_median_event_to_published_s']:.2f} s after the event)"
+             if result.get("warm_repeats") else "")
+          + f"; engines started during warm: {result['engine_starts_during_warm']}"
           + ("" if warm_ok else " (EXPECTED 0)"))
     if not warm_ok:
         log("the warm run started an engine: the cold run's engine was not reused"

@@ -16,7 +16,12 @@ from prefect.flows import load_flow_from_entrypoint
 from prefect.schedules import Cron
 
 _KEYS = ("description", "tags", "parameters", "concurrency_limit")
-POLL_SECONDS = 0.25
+# How often the runner asks the server for due runs. Each ask makes the server write the deployments'
+# last-polled time; on a SQLite-backed server a write that lands while a trigger is creating its flow run
+# makes that creation fail as busy, and Prefect's in-server client retries it only after 2 s. A poll every
+# second keeps those collisions rare (bench/incremental.py counts them) for half a second of pick-up on
+# average.
+POLL_SECONDS = 1.0
 
 
 def deployments_from_prefect_file(prefect_file: str | Path) -> list:
@@ -45,7 +50,7 @@ def deployments_from_prefect_file(prefect_file: str | Path) -> list:
 
 def serve_from_prefect_file(prefect_file: str | Path) -> None:
     """Register the deployments and run their flow runs here until interrupted. Scheduled runs are looked
-    for every quarter second (Prefect's default is 10 s; PREFECT_RUNNER_POLL_FREQUENCY still wins), so a
-    triggered run starts right after its event."""
+    for every POLL_SECONDS (Prefect's default is 10 s; PREFECT_RUNNER_POLL_FREQUENCY still wins), so a
+    triggered run starts about a second after its event."""
     poll = os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY")
     serve(*deployments_from_prefect_file(prefect_file), query_seconds=float(poll) if poll else POLL_SECONDS)
