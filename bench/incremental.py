@@ -29,8 +29,7 @@ Pending state (the runner picked it up: `serve`'s poll), its Running state (the 
 imported Prefect and the flow, and entered the flow) and "embed done". `create_retries` counts the flow-run
 creations the server answered as busy (SQLite "database is locked"; the server logs them with
 PREFECT_API_LOG_RETRYABLE_ERRORS), each of which its client retries after about 2 s.
---warm-repeats N measures N warm runs (each of --rows new rows) and reports their median beside the first;
---runner-poll SECONDS sets `serve`'s PREFECT_RUNNER_POLL_FREQUENCY (default: flows/serve.py's POLL_SECONDS).
+--warm-repeats N measures N warm runs (each of --rows new rows) and reports their median beside the first.
 
 CPU default: the tiny model (layertap.model.tiny_model), float32, parity sample 8: the settings of `make demo`.
 --gpu-model: a Llama-2-7B-shaped folder (bench/gpu_extract.build_model_dir), LAYERTAP_LOAD_FORMAT=dummy,
@@ -413,15 +412,11 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (store, logs) afterwards")
     parser.add_argument("--warm-repeats", type=int, default=1, metavar="N",
                         help="warm runs to measure, each of --rows new rows (default: 1)")
-    parser.add_argument("--runner-poll", type=float, metavar="SECONDS",
-                        help="serve's PREFECT_RUNNER_POLL_FREQUENCY (default: flows/serve.py's POLL_SECONDS)")
     args = parser.parse_args()
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # tear down on a kill as on Ctrl-C
     work = Path(tempfile.mkdtemp(prefix="lt-incr-"))  # short: warm engines' sockets live under it
     extra_env: dict[str, str] = {}
-    if args.runner_poll is not None:
-        extra_env["PREFECT_RUNNER_POLL_FREQUENCY"] = str(args.runner_poll)
     dtype = args.dtype
     if args.gpu_model:
         from bench.gpu_extract import LLAMA2_7B, build_model_dir
@@ -457,7 +452,7 @@ def main() -> int:
 
     report: dict = {"command": "python " + " ".join(sys.argv), "model": model, "rows": args.rows,
                     "done_rows": args.done_rows, "work_dir": str(work),
-                    "runner_poll_s": args.runner_poll if args.runner_poll is not None else POLL_SECONDS}
+                    "runner_poll_s": POLL_SECONDS}
     ok = False
     try:
         t = time.perf_counter()

@@ -1,27 +1,31 @@
 """Serve the deployments of prefect.yaml from one process (`layertap serve`), without a work pool.
 
 prefect.yaml stays the one place that says which deployments exist, with which triggers and schedules;
-this reads it and hands the same definitions to `prefect.serve`.
+this reads it and hands the same definitions to a Prefect `Runner`, as `prefect.serve` does, with
+flows/run_wake.py starting each triggered run as soon as the server has created it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
+import anyio
 import yaml
-from prefect import serve
 from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
+from prefect.exceptions import TerminationSignal
 from prefect.flows import load_flow_from_entrypoint
+from prefect.runner import Runner
 from prefect.schedules import Cron
 
+from flows.run_wake import start_runs_when_scheduled
+
 _KEYS = ("description", "tags", "parameters", "concurrency_limit")
-# How often the runner asks the server for due runs. Each ask makes the server write the deployments'
-# last-polled time; on a SQLite-backed server a write that lands while a trigger is creating its flow run
-# makes that creation fail as busy, and Prefect's in-server client retries it only after 2 s. A poll every
-# second keeps those collisions rare (bench/incremental.py counts them) for half a second of pick-up on
-# average.
-POLL_SECONDS = 1.0
+# How often the runner looks for due runs on its own: scheduled runs (the nightly one) start at most this
+# late. Triggered runs start as soon as they are created (flows/run_wake.py); each look is a write on the
+# server that a trigger's flow-run creation can collide with, so looks are rare.
+POLL_SECONDS = 5.0
 
 
 def deployments_from_prefect_file(prefect_file: str | Path) -> list:
@@ -49,8 +53,20 @@ def deployments_from_prefect_file(prefect_file: str | Path) -> list:
 
 
 def serve_from_prefect_file(prefect_file: str | Path) -> None:
-    """Register the deployments and run their flow runs here until interrupted. Scheduled runs are looked
-    for every POLL_SECONDS (Prefect's default is 10 s; PREFECT_RUNNER_POLL_FREQUENCY still wins), so a
-    triggered run starts about a second after its event."""
+    """Register the deployments and run their flow runs here until interrupted. Due runs are looked for
+    every POLL_SECONDS (Prefect's default is 10 s; PREFECT_RUNNER_POLL_FREQUENCY, in whole seconds, still
+    wins) and whenever the server announces a new run of one of them."""
     poll = os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY")
-    serve(*deployments_from_prefect_file(prefect_file), query_seconds=float(poll) if poll else POLL_SECONDS)
+    runner = Runner(pause_on_shutdown=True, query_seconds=float(poll) if poll else POLL_SECONDS)
+    deployment_ids = [runner.add_deployment(d) for d in deployments_from_prefect_file(prefect_file)]
+    try:
+        asyncio.run(_serve(runner, deployment_ids))
+    except (KeyboardInterrupt, TerminationSignal):
+        pass
+
+
+async def _serve(runner: Runner, deployment_ids: list) -> None:
+    async with anyio.create_task_group() as group:
+        group.start_soon(start_runs_when_scheduled, runner, deployment_ids)
+        await runner.start()
+        group.cancel_scope.cancel()
