@@ -173,7 +173,7 @@ class Setup:
         raise Failed(f"prefect server not healthy within {timeout:.0f} s")
 
     def start_serve(self, timeout: float = 300) -> None:
-        self.serve = self.start("serve", sys.executable, "-m", "layertap.cli", "serve")
+        self.serve = self.start("serve", sys.executable, "-m", "flows.cli", "serve")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
@@ -285,7 +285,7 @@ class Setup:
         known = {r["id"] for r in self.flow_runs()}
         retries_before = self.create_retries()
         starts_before = len(self.engine_starts())
-        cmd = [sys.executable, "-m", "layertap.cli", "add", "--dataset", DATASET, "--input", csv_path,
+        cmd = [sys.executable, "-m", "flows.cli", "add", "--dataset", DATASET, "--input", csv_path,
                "--store", str(self.store), "--json", *first_add_args]
         t0 = time.time()
         added = json.loads(self.run(f"add-{name}", *cmd).stdout)
@@ -354,7 +354,7 @@ class Setup:
         }
 
     def noop_run(self, timeout: float) -> dict:
-        cmd = [sys.executable, "-m", "layertap.cli", "run", "--dataset", DATASET, "--store", str(self.store), "--json"]
+        cmd = [sys.executable, "-m", "flows.cli", "run", "--dataset", DATASET, "--store", str(self.store), "--json"]
         t0 = time.perf_counter()
         out = self.run("noop", *cmd, timeout=timeout)
         wall = time.perf_counter() - t0

@@ -1,5 +1,9 @@
 """The `embed` flow: input rows in, validated per-layer embeddings in the store out (see
-`flows.pipeline`). Parameters are the CLI's options, so a deployment runs exactly what `layertap run` does."""
+`flows.pipeline`). Its parameters are the options model's fields (`layertap.settings.Settings`), so a
+deployment runs exactly what `layertap run` does.
+
+The parameters are spelled out, not generated, because Prefect reads a flow's parameters from its source;
+tests/test_options_drift.py fails when they and the model disagree."""
 
 from __future__ import annotations
 
@@ -22,12 +26,14 @@ def embed_flow(
     pooling: str | None = None,
     dtype: str | None = None,
     store_dtype: str | None = None,
-    store: str | None = None,
     remove_period: bool | None = None,
+    store: str | None = None,
     batch_size: int | None = None,
-    parity_sample: int | None = None,
     batches_in_flight: int | None = None,
     part_file_mb: float | None = None,
+    parity_sample: int | None = None,
+    truncate: bool | None = None,
+    lock_timeout: float | None = None,
     max_num_batched_tokens: int | None = None,
     max_model_len: int | None = None,
     gpu_memory_utilization: float | None = None,
@@ -37,8 +43,6 @@ def embed_flow(
     runner_process: bool | None = None,
     trust_remote_code: bool | None = None,
     load_format: str | None = None,
-    truncate: bool | None = None,
-    lock_timeout: float | None = None,
     warm_engine: bool | None = None,
     engine_idle_timeout: float | None = None,
     engine_dir: str | None = None,
@@ -50,41 +54,9 @@ def embed_flow(
 ) -> dict:
     """Embed every input row's prompt at the requested layers; parameters left at None come from
     LAYERTAP_* environment variables, then `env_file`, then the defaults."""
+    given = {name: value for name, value in locals().items() if name != "env_file"}
     try:
-        settings = load_settings(
-            env_file=env_file,
-            input=input,
-            text_column=text_column,
-            model=model,
-            layers=layers,
-            pooling=pooling,
-            dtype=dtype,
-            store_dtype=store_dtype,
-            store=store,
-            remove_period=remove_period,
-            batch_size=batch_size,
-            parity_sample=parity_sample,
-            batches_in_flight=batches_in_flight,
-            part_file_mb=part_file_mb,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager,
-            engine_process=engine_process,
-            runner_process=runner_process,
-            trust_remote_code=trust_remote_code,
-            load_format=load_format,
-            truncate=truncate,
-            lock_timeout=lock_timeout,
-            warm_engine=warm_engine,
-            engine_idle_timeout=engine_idle_timeout,
-            engine_dir=engine_dir,
-            executor=executor,
-            ray_address=ray_address,
-            engines=engines,
-            batch_timeout=batch_timeout,
-        )
+        settings = load_settings(env_file=env_file, **given)
     except ValidationError as exc:
         raise InputError(settings_error_line(exc)) from None
     return run_pipeline(settings)

@@ -1,8 +1,12 @@
-"""Run settings: one validated object built from CLI args, LAYERTAP_* env vars, a `.env` file and defaults.
+"""The run options: one validated object built from CLI args, LAYERTAP_* env vars, a `.env` file and defaults.
 
 Precedence is CLI > environment > `.env` > default. CLI values are passed as init kwargs, which
 pydantic-settings ranks above every other source. Validation problems are reported as one line naming the
 setting, so a typo in an env var is as easy to spot as a typo on the command line.
+
+This model is the one list of run options: the command line's flags, the `embed` flow's parameters,
+prefect.yaml's parameters, the options a dataset fixes and the engine options are all read off it
+(tests/test_options_drift.py fails when one of them lists another set).
 """
 
 from __future__ import annotations
@@ -21,6 +25,18 @@ DEPLOYMENT_LOCK_WAIT_S = 6 * 3600.0
 _LAYERS_RE = re.compile(r"^-?\d+(,-?\d+)*$")
 
 
+def option(help: str, metavar: str | None = None, default: Any = None, *, extraction: bool = False,
+           engine: bool = False, **checks: Any) -> Any:
+    """A run option: its default and checks, plus what the command line shows (help, metavar) and where else
+    it goes (`extraction`: fixed by a dataset, part of its vectors' key; `engine`: fixes an engine instance),
+    so every list of options is read off this model instead of written again."""
+    if "default_factory" not in checks:
+        checks["default"] = default
+    return Field(description=help, json_schema_extra={"metavar": metavar, "extraction": extraction, "engine": engine},
+                 **checks)
+
+
+
 class Settings(BaseSettings):
     """Everything one `embed` run needs; engine options left at None let the runner choose."""
 
@@ -34,71 +50,101 @@ class Settings(BaseSettings):
     )
 
     # Inputs. NoDecode keeps pydantic-settings from demanding JSON for the list in env vars.
-    input: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    text_column: str = "text"
+    input: Annotated[list[str], NoDecode] = option(
+        "CSV/TSV/Parquet/JSONL files or globs (repeatable)", "PATH", default_factory=list)
+    text_column: str = option("column holding the text (default: text)", "COL", "text")
 
-    # Extraction key.
-    model: str | None = None
-    layers: str = "all"
-    pooling: Literal["last", "mean"] = "last"
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # Extraction key: a dataset fixes these when it is first added.
+    model: str | None = option("Hugging Face model folder (default: the tiny demo model)", "DIR", extraction=True)
+    layers: str = option("'all' or indices like 0,4,-1 (default: all)", "all|LIST", "all", extraction=True)
+    pooling: Literal["last", "mean"] = option(
+        "pool the last token or the mean (default: last)", "last|mean", "last", extraction=True)
+    dtype: Literal["float32", "float16", "bfloat16"] = option(
+        "engine dtype (default: float32)", "float32|float16|bfloat16", "float32", extraction=True)
     # How vectors are stored: float32 holds every float32, float16 and bfloat16 value exactly; float16 takes
     # half the bytes and holds a bfloat16 value exactly when it lies inside float16's range (a batch with one
     # outside fails its checks). None: float16 for a float16 engine, float32 otherwise.
-    store_dtype: Literal["float32", "float16"] | None = None
-    remove_period: bool = False
+    store_dtype: Literal["float32", "float16"] | None = option(
+        "stored dtype: float16 halves the bytes (default: float32; float16 for a float16 engine)",
+        "float32|float16", extraction=True)
+    remove_period: bool = option(
+        "also strip trailing periods when normalising (part of the extraction key)", default=False, extraction=True)
 
     # Where results live.
-    store: str = "./layertap-store"
+    store: str = option("store folder (default: ./layertap-store)", "DIR", "./layertap-store")
 
     # Work sizing and checks.
-    batch_size: int = Field(1024, ge=1)
+    batch_size: int = option("prompts per extraction batch (default: 1024)", "N", 1024, ge=1)
     # Batches extracted at once: the engine computes some while the others are written and published. With
     # three, a 7B model's 100,000 short prompts left an H200 idle a fifth of the time; four cut that to an
     # eighth, for one more host buffer (bench/README.md).
-    batches_in_flight: int = Field(4, ge=1)
+    batches_in_flight: int = option(
+        "batches extracted at once, so writing overlaps the engine (default: 4)", "N", 4, ge=1)
     # Largest Parquet file a batch is written as (MB of vectors before compression): a bigger batch is split
     # by rows into files encoded in parallel, one per core at most, so writing keeps up with a GPU.
-    part_file_mb: float = Field(128, gt=0)
-    parity_sample: int = Field(8, ge=0)
+    part_file_mb: float = option(
+        "largest Parquet file a batch is written as, in MB of vectors; a bigger batch is split into files "
+        "written in parallel (default: 128)", "MB", 128, gt=0)
+    parity_sample: int = option("prompts checked against Hugging Face (default: 8; 0 = off)", "N", 8, ge=0)
     # Prompts longer than the model's context are rejected unless the user asks to cut them to fit.
-    truncate: bool = False
+    truncate: bool = option(
+        "cut prompts longer than the model's context instead of rejecting them", default=False)
     # Seconds a run waits for another run holding the store's lock; 0 fails at once, naming the holder. None:
     # 0 on the command line; DEPLOYMENT_LOCK_WAIT_S for deployment runs, which wait their turn on a shared store.
-    lock_timeout: float | None = Field(None, ge=0)
+    lock_timeout: float | None = option(
+        "wait this long for another run holding the store (default: 0, fail at once)", "SECONDS", ge=0)
 
-    # Engine options, passed through to the runner.
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    tensor_parallel_size: int = Field(1, ge=1)
-    enforce_eager: bool | None = None
+    # Engine options, passed through to the runner (`engine_options`).
+    max_num_batched_tokens: int | None = option(
+        "engine tokens per step (default: engine's)", "N", ge=1, engine=True)
+    max_model_len: int | None = option("longest prompt in tokens (default: model's)", "N", ge=1, engine=True)
+    gpu_memory_utilization: float | None = option(
+        "engine memory share (default: runner picks)", "F", gt=0, le=1, engine=True)
+    tensor_parallel_size: int = option("GPUs per engine (default: 1)", "N", 1, ge=1, engine=True)
+    enforce_eager: bool | None = option("disable graph capture in the engine", engine=True)
     # vLLM's engine core in a process of its own instead of the caller's; None: on a GPU, not on a CPU.
-    engine_process: bool | None = None
+    engine_process: bool | None = option(
+        "run vLLM's engine core in a process of its own (default: yes on a GPU, no on a CPU)", engine=True)
     # The runner (vLLM's frontend) in a process of its own, apart from the flow's Prefect and writers; None:
     # on a GPU, not on a CPU.
-    runner_process: bool | None = None
-    trust_remote_code: bool = False
+    runner_process: bool | None = option(
+        "run the runner (vLLM's frontend) in a process of its own, apart from the flow's (default: yes on a GPU, "
+        "no on a CPU)", engine=True)
+    trust_remote_code: bool = option("allow model folders that ship their own code", default=False, engine=True)
+    # "dummy" starts the engine with random weights of the model's shape: for speed runs only.
+    load_format: Literal["auto", "dummy"] | None = option(
+        "'dummy' starts the engine with random weights of the model's shape, for speed runs only "
+        "(default: auto, the model's weights)", "auto|dummy", engine=True)
     # Keep the engine up between runs, in a process of its own that runs attach to (`warm_engine`), so a
     # small incremental run skips vLLM's start. None: when a Prefect deployment runs the flow.
-    warm_engine: bool | None = None
+    warm_engine: bool | None = option(
+        "use (or start) a warm engine that stays up between runs (default: yes when a Prefect deployment runs "
+        "the flow, no here)")
     # Seconds a warm engine stays up with no run attached before it exits and frees the device.
-    engine_idle_timeout: float = Field(600.0, ge=0)
+    engine_idle_timeout: float = option(
+        "seconds a warm engine stays up with no run attached (default: 600)", "SECONDS", 600.0, ge=0)
     # Where warm engines keep their sockets and status files (default: ~/.cache/layertap/engines/<host>).
-    engine_dir: str | None = None
-    # "dummy" starts the engine with random weights of the model's shape: for speed runs only.
-    load_format: Literal["auto", "dummy"] | None = None
+    engine_dir: str | None = option(
+        "where warm engines keep their sockets and status (default: ~/.cache/layertap/engines/<host>)", "DIR")
 
     # Where batches are extracted: "local", engines of this process (or warm ones on this machine); "ray",
-    # engines that are actors of a Ray cluster (`layertap.ray_engines`, the `ray` extra).
-    executor: Literal["local", "ray"] = "local"
+    # engines that are actors of a Ray cluster (`layertap.runner.ray_engines`, the `ray` extra).
+    executor: Literal["local", "ray"] = option(
+        "extract on this machine's engine, or on engines that are actors of a Ray cluster (default: local)",
+        "local|ray", "local")
     # The Ray cluster's address (head:6379, ray://head:10001, auto); None: RAY_ADDRESS, and without it a local
     # cluster started for the run.
-    ray_address: str | None = None
+    ray_address: str | None = option(
+        "the Ray cluster for --executor ray, e.g. head:6379 (default: RAY_ADDRESS, else a local cluster started "
+        "for the run)", "ADDRESS")
     # Engines (actors) on the cluster: "auto" is its GPUs / tensor_parallel_size, or on CPUs one per node.
-    engines: str = "auto"
+    engines: str = option(
+        "engines on the Ray cluster (default: auto, its GPUs / tensor-parallel size; on CPUs one per node)",
+        "auto|N", "auto")
     # Seconds a batch may take on a Ray engine before the engine is taken as hung, killed and the batch retried.
-    batch_timeout: float = Field(1800.0, gt=0)
+    batch_timeout: float = option(
+        "a batch running longer on a Ray engine counts as hung: the engine is restarted and the batch retried "
+        "(default: 1800)", "SECONDS", 1800.0, gt=0)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -185,25 +231,15 @@ class Settings(BaseSettings):
         return None if self.engines == "auto" else int(self.engines)
 
     def layer_spec(self) -> str | list[int]:
-        """The layer request in the form `layertap.layers.resolve_layers` takes."""
+        """The layer request in the form `layertap.model.layers.resolve_layers` takes."""
         if self.layers == "all":
             return "all"
         return [int(p) for p in self.layers.split(",")]
 
     def engine_options(self) -> dict[str, Any]:
         """Options for the runner constructor; None values are left out so the runner's defaults apply."""
-        opts = {
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "max_model_len": self.max_model_len,
-            "gpu_memory_utilization": self.gpu_memory_utilization,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "enforce_eager": self.enforce_eager,
-            "engine_process": self.engine_process,
-            "runner_process": self.runner_process,
-            "trust_remote_code": self.trust_remote_code,
-            "load_format": self.load_format,
-        }
-        return {k: v for k, v in opts.items() if v is not None}
+        values = {name: getattr(self, name) for name in ENGINE_OPTIONS}
+        return {k: v for k, v in values.items() if v is not None}
 
     def stored_dtype(self) -> str:
         """The dtype vectors are stored in (`store_dtype`, or the engine dtype's default)."""
@@ -215,6 +251,18 @@ class Settings(BaseSettings):
     def demo_model_dir(self) -> Path:
         """Where the embedded tiny model is built when no model is given: next to the store, not inside it."""
         return self.store_path().parent / ".layertap" / "tiny-model"
+
+
+def options_marked(mark: str) -> tuple[str, ...]:
+    """The options `option()` marked with `mark` ("extraction" or "engine"), in the model's order."""
+    return tuple(name for name, field in Settings.model_fields.items()
+                 if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get(mark))
+
+
+# The options that decide a dataset's vectors (fixed when the dataset is first added), and those that fix an
+# engine instance (`EngineOptions` has a field of the same name for each).
+EXTRACTION_OPTIONS = options_marked("extraction")
+ENGINE_OPTIONS = options_marked("engine")
 
 
 # Bytes of one value of each engine dtype.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 from layertap.runner import engine_cache
-from layertap.cli import main
+from flows.cli import main
 from layertap.store.registry import read_status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def child_env(**extra: str) -> dict:
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """The real command, as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "layertap.cli", *args], capture_output=True, text=True, env=child_env(**(env or {})),
+        [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, env=child_env(**(env or {})),
         cwd=cwd, timeout=120,
     )
 
@@ -120,7 +120,7 @@ def test_layer_out_of_range_is_one_line(tmp_path, tiny_model):
 
 
 def test_importing_the_library_and_cli_does_not_import_prefect(tmp_path):
-    code = "import sys, layertap, layertap.cli, layertap.settings, layertap.runner.engine_cache; print('prefect' in sys.modules)"
+    code = "import sys, layertap, flows.cli, layertap.settings, layertap.runner.engine_cache; print('prefect' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), check=True)
     assert out.stdout.strip() == "False"
 
@@ -152,7 +152,7 @@ def test_run_then_rerun(shared_engine, tiny_model, tmp_path, capsys):
 
     # In a process of its own, as a user runs it: answered from the store, with no Prefect, torch or vLLM
     # loaded, and recorded in the store's history like any run.
-    code = ("import json, sys; from layertap.cli import main; code = main(sys.argv[1:]); "
+    code = ("import json, sys; from flows.cli import main; code = main(sys.argv[1:]); "
             "print(json.dumps([code, sorted(m for m in ('prefect', 'torch', 'vllm') if m in sys.modules)]))")
     out = subprocess.run([sys.executable, "-c", code, *args[:-1]], capture_output=True, text=True, env=child_env(),
                          cwd=tmp_path, check=True)
@@ -212,7 +212,7 @@ def test_demo_builds_the_model_and_shows_how_to_query(shared_engine, tiny_model,
     assert namespace["table"].num_rows > 150
 
     # Run again, as a user would: answered from the store, with no Prefect, torch or vLLM loaded.
-    code = ("import json, sys; from layertap.cli import main; code = main(sys.argv[1:]); "
+    code = ("import json, sys; from flows.cli import main; code = main(sys.argv[1:]); "
             "print(json.dumps([code, sorted(m for m in ('prefect', 'torch', 'vllm') if m in sys.modules)]))")
     again = subprocess.run([sys.executable, "-c", code, "demo", "--store", str(store)], capture_output=True,
                            text=True, env=child_env(), cwd=tmp_path, check=True)

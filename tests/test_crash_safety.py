@@ -75,7 +75,7 @@ def run_flow(inputs, store, model, folder: Path, kill: str | None) -> subprocess
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120", PREFECT_SERVER_ANALYTICS_ENABLED="false")
     if kill:
         env["LAYERTAP_FAULTS"] = kill
-    command = [sys.executable, "-m", "layertap.cli", "run", "--input", *inputs, "--store", str(store),
+    command = [sys.executable, "-m", "flows.cli", "run", "--input", *inputs, "--store", str(store),
                "--model", model, "--layers", ",".join(map(str, LAYERS)), "--batch-size", "100",
                "--max-model-len", "256", "--max-num-batched-tokens", "2048", "--env-file", "", "--json"]
     with open(folder / "stdout", "w+") as stdout, open(folder / "stderr", "w+") as stderr:

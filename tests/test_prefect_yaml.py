@@ -132,7 +132,7 @@ def wait_for_run(server: Server, deployment_name: str, timeout: float = 420) -> 
 def test_rows_added_event_runs_the_dataset_incrementally(server, tmp_path, tiny_model, shared_engine):
     from flows.embed_dataset import embed_dataset_flow
     from layertap import Store
-    from layertap.cli import main
+    from flows.cli import main
 
     # Deployments and a worker, exactly as the README tells people to set them up.
     server.run(PREFECT, "work-pool", "create", "layertap", "--type", "process")
@@ -155,7 +155,7 @@ def test_rows_added_event_runs_the_dataset_incrementally(server, tmp_path, tiny_
 
     # New rows through the CLI, as a user adds them: the event reaches the server, the trigger runs the flow.
     added = write_csv(tmp_path / "added.csv", ADDED)
-    out = server.run(sys.executable, "-m", "layertap.cli", "add", "--dataset", "reviews", "--input", added,
+    out = server.run(sys.executable, "-m", "flows.cli", "add", "--dataset", "reviews", "--input", added,
                      "--store", str(store), "--json")
     result = json.loads(out.stdout)
     assert result["new_files"] == [added] and result["event"], out.stderr

@@ -96,7 +96,7 @@ def layertap(address: str, folder: Path, *args: str, env: dict | None = None) ->
     a killed run leaves behind would hold pipes open)."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "stdout", "w") as stdout, open(folder / "stderr", "w") as stderr:
-        return subprocess.Popen([sys.executable, "-m", "layertap.cli", "run", *args],
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", *args],
                                 env=child_env(RAY_ADDRESS=address, **(env or {})), cwd=ROOT, stdin=subprocess.DEVNULL,
                                 stdout=stdout, stderr=stderr, start_new_session=True)
 
@@ -162,7 +162,7 @@ def test_an_existing_cluster_by_address(cluster, tiny_model, tmp_path):
     assert summary["planned"] == summary["embedded"] == len(TEXTS) - done
     after = parts(store)
     assert set(before) < set(after) and sum(n for _, n in after) == len(TEXTS)
-    assert subprocess.run([sys.executable, "-m", "layertap.cli", "validate", "--store", str(store)],
+    assert subprocess.run([sys.executable, "-m", "flows.cli", "validate", "--store", str(store)],
                           env=child_env(), capture_output=True).returncode == 0
     assert head.poll() is None  # the cluster outlives the runs
     assert subprocess.run([RAY, "status", f"--address={address}"], env=child_env(),

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from layertap.runner.vllm_seam import vllm_is_cpu_build
 
 
+# Engine options that are not run options: the run's model and dtype are options of their own, and the rest
+# are set by benchmarks only. Every other field is the run option of the same name (`Settings.engine_options`).
+NOT_RUN_OPTIONS = ("model", "dtype", "max_num_seqs", "kv_cache_memory_bytes", "seed")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """Settings that fix an engine instance: changing any of them needs a new engine."""

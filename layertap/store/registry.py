@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from layertap.errors import InputError, StoreError
+from layertap.settings import EXTRACTION_OPTIONS, load_settings, settings_error_line
 from layertap.store.inputs import check_inputs
 from layertap.store.schema import DB_NAME, connect, one
 from layertap.store.store_db import StoreDB
@@ -22,8 +23,6 @@ from layertap.store.store_db import StoreDB
 # Safe in a Prefect resource id, a file name and a shell without quoting.
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
-# The settings that decide a dataset's vectors; fixed when the dataset is first added.
-EXTRACTION_OPTIONS = ("model", "layers", "pooling", "dtype", "store_dtype", "remove_period")
 
 
 @dataclass(frozen=True)
@@ -160,8 +159,6 @@ DATASET_FIXED = ("input", "store", "text_column", *EXTRACTION_OPTIONS)
 def dataset_settings(dataset: str, store: str | None, env_file: str | None, options: dict | None = None):
     """The dataset's files and extraction settings on top of `options` and the environment."""
     from pydantic import ValidationError
-
-    from layertap.settings import load_settings, settings_error_line
 
     options = {k: v for k, v in (options or {}).items() if v is not None}
     fixed = sorted(set(options) & set(DATASET_FIXED))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from layertap import progress
-from layertap.cli import main
+from flows.cli import main
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "shared_engine")
 

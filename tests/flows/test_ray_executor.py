@@ -18,7 +18,7 @@ pytest.importorskip("ray")
 
 from layertap import Store, faults  # noqa: E402
 from layertap.runner import engine_cache  # noqa: E402
-from layertap.cli import main  # noqa: E402
+from flows.cli import main  # noqa: E402
 from layertap.settings import load_settings  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("prefect_harness", "shared_engine")]

@@ -44,7 +44,7 @@ def wait_until(what, timeout: float, server: Server, why: str):
 @pytest.mark.timeout(600)
 def test_a_triggered_run_waits_for_the_store_another_deployment_run_holds(tmp_path, tiny_model):
     from flows.store_turn import limit_name
-    from layertap.cli import main
+    from flows.cli import main
     from layertap.store.registry import read_status
     from layertap.store.store_db import StoreDB
 
@@ -60,7 +60,7 @@ def test_a_triggered_run_waits_for_the_store_another_deployment_run_holds(tmp_pa
     server.start("server", PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(server.port))
     try:
         server.wait_healthy()
-        server.start("serve", sys.executable, "-m", "layertap.cli", "serve")
+        server.start("serve", sys.executable, "-m", "flows.cli", "serve")
         deployments = wait_until(lambda: {d["name"]: d for d in post(server, "/deployments/filter", {})}
                                  if len(post(server, "/deployments/filter", {})) == 3 else None,
                                  180, server, "layertap serve did not register the deployments")

@@ -32,7 +32,7 @@ def served(tmp_path_factory):
     srv.start("server", PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(srv.port))
     try:
         srv.wait_healthy()
-        srv.start("serve", sys.executable, "-m", "layertap.cli", "serve")
+        srv.start("serve", sys.executable, "-m", "flows.cli", "serve")
         deadline = time.monotonic() + 180
         while len(srv.post("/deployments/filter", {})) < 3:
             if time.monotonic() > deadline or srv.procs[-1].poll() is not None:
@@ -62,7 +62,7 @@ def starts(server: Server) -> int:
 
 
 def add(server: Server, store, path: str, *options: str) -> None:
-    out = server.run(sys.executable, "-m", "layertap.cli", "add", "--dataset", "warm", "--input", path,
+    out = server.run(sys.executable, "-m", "flows.cli", "add", "--dataset", "warm", "--input", path,
                      "--store", str(store), "--json", *options)
     assert json.loads(out.stdout)["event"], out.stderr
 
@@ -78,7 +78,7 @@ def vectors(store, layer: int) -> dict[str, np.ndarray]:
 @pytest.mark.timeout(1200)
 def test_triggered_runs_share_a_warm_engine(served, tmp_path, tiny_model, shared_engine, monkeypatch, capsys):
     from flows.embed import embed_flow
-    from layertap.cli import main
+    from flows.cli import main
     from layertap.store.store_db import StoreDB
 
     store, files = tmp_path / "store", [write_csv(tmp_path / f"rows{i}.csv", rows) for i, rows in enumerate(BATCHES)]

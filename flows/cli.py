@@ -1,7 +1,8 @@
 """`layertap run | add | status | export | validate | serve | demo`.
 
-Every option can also come from a LAYERTAP_<NAME> environment variable or a `.env` file
-(CLI > environment > .env > default). Prefect and the flows are imported inside the commands only, so
+The run options' flags are read off the options model (`layertap.settings.Settings`), so every option has
+one, with the model's name, help and checks. Every option can also come from a LAYERTAP_<NAME> environment
+variable or a `.env` file (CLI > environment > .env > default). Prefect and the flows are imported inside the commands only, so
 `import layertap` and `layertap --help` stay light. Failures end with one line on stderr,
 `layertap: error: <reason>`, and a non-zero exit code.
 """
@@ -13,10 +14,15 @@ import glob
 import json
 import os
 import sys
+import types
+import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import layertap
 from layertap.events import ROWS_ADDED
+from layertap.settings import EXTRACTION_OPTIONS, Settings
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -25,7 +31,7 @@ EXIT_QUARANTINED = 3  # the run finished, but some batches kept failing and were
 EXIT_INTERRUPTED = 130
 
 PREFECT_FILE = Path(__file__).resolve().parents[1] / "prefect.yaml"
-SAMPLE_DATA = Path(__file__).resolve().parent / "data" / "sample.csv"
+SAMPLE_DATA = Path(layertap.__file__).resolve().parent / "data" / "sample.csv"
 DEMO_STORE = "./layertap-demo"
 
 
@@ -38,59 +44,42 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _engine_options(p: argparse.ArgumentParser) -> None:
-    """Options shared by `run` and `demo`. Defaults are None so env vars and .env can fill them."""
-    p.add_argument("--model", metavar="DIR", help="Hugging Face model folder (default: the tiny demo model)")
-    p.add_argument("--layers", metavar="all|LIST", help="'all' or indices like 0,4,-1 (default: all)")
-    p.add_argument("--pooling", metavar="last|mean", help="pool the last token or the mean (default: last)")
-    p.add_argument("--dtype", metavar="float32|float16|bfloat16", help="engine dtype (default: float32)")
-    p.add_argument("--store-dtype", metavar="float32|float16",
-                   help="stored dtype: float16 halves the bytes (default: float32; float16 for a float16 engine)")
-    p.add_argument("--text-column", metavar="COL", help="column holding the text (default: text)")
-    p.add_argument(
-        "--remove-period", action=argparse.BooleanOptionalAction, default=None,
-        help="also strip trailing periods when normalising (part of the extraction key)",
+def _is_flag(annotation: Any) -> bool:
+    """A yes/no option (`bool`, or `bool | None` where None lets the runner choose): --NAME / --no-NAME."""
+    return annotation is bool or (
+        typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        and set(typing.get_args(annotation)) == {bool, type(None)}
     )
-    p.add_argument("--batch-size", metavar="N", help="prompts per extraction batch (default: 1024)")
-    p.add_argument("--parity-sample", metavar="N", help="prompts checked against Hugging Face (default: 8; 0 = off)")
-    p.add_argument("--batches-in-flight", metavar="N",
-                   help="batches extracted at once, so writing overlaps the engine (default: 4)")
-    p.add_argument("--max-num-batched-tokens", metavar="N", help="engine tokens per step (default: engine's)")
-    p.add_argument("--max-model-len", metavar="N", help="longest prompt in tokens (default: model's)")
-    p.add_argument("--gpu-memory-utilization", metavar="F", help="engine memory share (default: runner picks)")
-    p.add_argument("--tensor-parallel-size", metavar="N", help="GPUs per engine (default: 1)")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="disable graph capture in the engine")
-    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
-                   help="run vLLM's engine core in a process of its own (default: yes on a GPU, no on a CPU)")
-    p.add_argument("--runner-process", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the runner (vLLM's frontend) in a process of its own, apart from the flow's "
-                        "(default: yes on a GPU, no on a CPU)")
-    p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=None,
-                   help="allow model folders that ship their own code")
-    p.add_argument("--warm-engine", action=argparse.BooleanOptionalAction, default=None,
-                   help="use (or start) a warm engine that stays up between runs (default: yes when a Prefect "
-                        "deployment runs the flow, no here)")
-    p.add_argument("--engine-idle-timeout", metavar="SECONDS",
-                   help="seconds a warm engine stays up with no run attached (default: 600)")
-    p.add_argument("--engine-dir", metavar="DIR",
-                   help="where warm engines keep their sockets and status (default: ~/.cache/layertap/engines/<host>)")
-    p.add_argument("--executor", metavar="local|ray",
-                   help="extract on this machine's engine, or on engines that are actors of a Ray cluster "
-                        "(default: local)")
-    p.add_argument("--ray-address", metavar="ADDRESS",
-                   help="the Ray cluster for --executor ray, e.g. head:6379 (default: RAY_ADDRESS, else a local "
-                        "cluster started for the run)")
-    p.add_argument("--engines", metavar="auto|N",
-                   help="engines on the Ray cluster (default: auto, its GPUs / tensor-parallel size; on CPUs one "
-                        "per node)")
-    p.add_argument("--batch-timeout", metavar="SECONDS",
-                   help="a batch running longer on a Ray engine counts as hung: the engine is restarted and the "
-                        "batch retried (default: 1800)")
-    p.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None,
-                   help="cut prompts longer than the model's context instead of rejecting them")
-    p.add_argument("--lock-timeout", metavar="SECONDS",
-                   help="wait this long for another run holding the store (default: 0, fail at once)")
+
+
+def option_flags(p: argparse.ArgumentParser, names: Iterable[str], **changed: dict) -> None:
+    """One flag per run option, read off the options model (`layertap.settings.Settings`): its name, help and
+    metavar. Defaults are None so env vars and .env can fill what the command line leaves out; `changed`
+    adjusts one option's flag for one command (a required --input, demo's own store)."""
+    for name in names:
+        field = Settings.model_fields[name]
+        kwargs: dict[str, Any] = {"default": None, "help": field.description}
+        if _is_flag(field.annotation):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["metavar"] = field.json_schema_extra["metavar"]
+            if typing.get_origin(field.annotation) is list:
+                kwargs.update(nargs="+", action="extend")
+        kwargs.update(changed.get(name, {}))
+        p.add_argument(option_flag(name), **kwargs)
+
+
+def option_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def run_option_names() -> list[str]:
+    """Every run option but the input files and the store, which each command places itself."""
+    return [name for name in Settings.model_fields if name not in ("input", "store")]
+
+
+def _common_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by `run` and `demo`, after the run options."""
     p.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
 
@@ -116,16 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     run = sub.add_parser("run", help="embed the text column of input files into a store", epilog=epilog)
-    run.add_argument(
-        "--input", nargs="+", action="extend", metavar="PATH",
-        help="CSV/TSV/Parquet/JSONL files or globs (repeatable)",
-    )
-    run.add_argument("--store", metavar="DIR", help="store folder (default: ./layertap-store)")
+    option_flags(run, ["input", "store"])
     run.add_argument(
         "--dataset", metavar="NAME",
         help="embed what is new in this registered dataset (its files and settings come from the store)",
     )
-    _engine_options(run)
+    option_flags(run, run_option_names())
+    _common_options(run)
     _progress_option(run)
     run.set_defaults(func=cmd_run)
 
@@ -141,18 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=epilog,
     )
     add.add_argument("--dataset", metavar="NAME", required=True, help="dataset name (a-z, 0-9, '.', '_', '-')")
-    add.add_argument("--input", nargs="+", action="extend", metavar="PATH", required=True,
-                     help="CSV/TSV/Parquet/JSONL files or globs to add (a file added again is re-read)")
-    add.add_argument("--store", metavar="DIR", help="store folder (default: ./layertap-store)")
-    add.add_argument("--text-column", metavar="COL", help="column holding the text (default: text)")
-    add.add_argument("--model", metavar="DIR", help="model folder for this dataset (default: the tiny demo model)")
-    add.add_argument("--layers", metavar="all|LIST", help="layers for this dataset (default: all)")
-    add.add_argument("--pooling", metavar="last|mean", help="pooling for this dataset (default: last)")
-    add.add_argument("--dtype", metavar="float32|float16|bfloat16", help="dtype for this dataset (default: float32)")
-    add.add_argument("--store-dtype", metavar="float32|float16",
-                     help="stored dtype for this dataset (default: float32; float16 for a float16 engine)")
-    add.add_argument("--remove-period", action=argparse.BooleanOptionalAction, default=None,
-                     help="also strip trailing periods when normalising")
+    option_flags(add, ["input", "store", "text_column", *EXTRACTION_OPTIONS], input={
+        "required": True, "help": "CSV/TSV/Parquet/JSONL files or globs to add (a file added again is re-read)"})
     add.add_argument("--event", action=argparse.BooleanOptionalAction, default=True,
                      help="emit the rows-added event (default: on; needs PREFECT_API_URL)")
     add.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
@@ -160,11 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     add.set_defaults(func=cmd_add)
 
     status = sub.add_parser("status", help="datasets, counts and the last runs of a store")
-    status.add_argument("--store", metavar="DIR", help="store folder (default: ./layertap-store)")
+    option_flags(status, ["store"])
     status.add_argument("--runs", metavar="N", type=int, default=5, help="how many recent runs to show (default: 5)")
-    status.add_argument("--engine-dir", metavar="DIR",
-                        help="where warm engines live "
-                             "(default: LAYERTAP_ENGINE_DIR, then ~/.cache/layertap/engines/<host>)")
+    option_flags(status, ["engine_dir"])
     status.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.set_defaults(func=cmd_status)
@@ -176,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
             "dimension float array, with layer_<L>.csv giving each row's prompt_hash and text."
         ),
     )
-    export.add_argument("--store", metavar="DIR", help="store folder (default: ./layertap-store)")
+    option_flags(export, ["store"])
     export.add_argument("--layer", metavar="L|all", default="all",
                         help="layer index (negative counts from the end) or 'all' (default: all)")
     export.add_argument("--format", choices=("parquet", "npy"), default="parquet", help="file format (default: parquet)")
@@ -191,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser(
         "validate", help="re-check every published part of a store (files, prompts, layers, finite vectors)"
     )
-    validate.add_argument("--store", metavar="DIR", help="store folder (default: ./layertap-store)")
+    option_flags(validate, ["store"])
     validate.add_argument("--env-file", metavar="PATH", default=".env", help="dotenv file to read (default: .env)")
     validate.set_defaults(func=cmd_validate)
 
@@ -215,31 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="build the tiny model, embed the shipped sample and show how to read it", epilog=epilog
     )
-    demo.add_argument(
-        "--store", metavar="DIR", default=DEMO_STORE,
-        help=f"store folder (default: {DEMO_STORE}; LAYERTAP_STORE is not used, so the demo never mixes into it)",
-    )
-    _engine_options(demo)
+    option_flags(demo, ["store", *run_option_names()], store={
+        "default": DEMO_STORE,
+        "help": f"store folder (default: {DEMO_STORE}; LAYERTAP_STORE is not used, so the demo never mixes into it)"})
+    _common_options(demo)
     _progress_option(demo)
     demo.set_defaults(func=cmd_demo)
     return parser
-
-
-_SETTING_ARGS = (
-    "input", "text_column", "model", "layers", "pooling", "dtype", "store_dtype", "store", "remove_period",
-    "batch_size",
-    "parity_sample", "batches_in_flight", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
-    "tensor_parallel_size", "enforce_eager", "engine_process", "runner_process", "trust_remote_code", "truncate",
-    "lock_timeout", "warm_engine", "engine_idle_timeout", "engine_dir", "executor", "ray_address", "engines",
-    "batch_timeout",
-)
 
 
 def settings_from_args(args: argparse.Namespace, **forced: Any):
     """CLI values on top of env and .env; an option not given on the command line is left to them."""
     from layertap.settings import load_settings
 
-    given = {name: getattr(args, name, None) for name in _SETTING_ARGS}
+    given = {name: getattr(args, name, None) for name in Settings.model_fields}
     given.update(forced)
     return load_settings(env_file=_env_file(args), **given)
 
@@ -311,17 +274,17 @@ def _progress_bar(args: argparse.Namespace):
 
 
 # Settings a dataset fixes when it is created; `run --dataset` may not change them.
-_DATASET_FIXED = ("input", "text_column", "model", "layers", "pooling", "dtype", "store_dtype", "remove_period")
+_DATASET_FIXED = ("input", "text_column", *EXTRACTION_OPTIONS)
 
 
 def _dataset_options(args: argparse.Namespace) -> dict:
     """`run --dataset`'s run options (those given here); the dataset's own come from the store."""
     from layertap.errors import InputError
 
-    fixed = [f"--{name.replace('_', '-')}" for name in _DATASET_FIXED if getattr(args, name, None) is not None]
+    fixed = [option_flag(name) for name in _DATASET_FIXED if getattr(args, name, None) is not None]
     if fixed:
         raise InputError(f"{', '.join(fixed)}: set by dataset {args.dataset} when it was first added")
-    options = {name: getattr(args, name) for name in _SETTING_ARGS if name not in _DATASET_FIXED + ("store",)}
+    options = {name: getattr(args, name) for name in run_option_names() if name not in _DATASET_FIXED}
     return {k: v for k, v in options.items() if v is not None}
 
 
@@ -396,7 +359,7 @@ def send_rows_added(dataset: str, store: str, files: list[str]) -> str:
 
 
 def cmd_add(args: argparse.Namespace) -> int:
-    from layertap.store.registry import EXTRACTION_OPTIONS, Registry
+    from layertap.store.registry import Registry
     from layertap.settings import load_settings
 
     given_names = ("text_column", *EXTRACTION_OPTIONS)
