@@ -217,11 +217,6 @@ def preflight(settings) -> None:
         path = os.path.expanduser(pattern)
         if not os.path.exists(path) and not glob.glob(path, recursive=True):
             raise InputError(f"input: no file matches {pattern}")
-    if settings.model:
-        from layertap.model.layers import resolve_layers
-        from layertap.model.fingerprint import check_model_folder
-
-        resolve_layers(settings.layer_spec(), check_model_folder(settings.model, settings.load_format).num_layers)
     from layertap.preflight import check_run
 
     check_run(settings)

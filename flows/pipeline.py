@@ -25,22 +25,23 @@ from prefect.utilities.annotations import quote
 from flows.store_turn import store_turn
 from layertap import faults
 from layertap import progress as run_progress
+from layertap.batch import Part
 from layertap.store.disk_space import check_room
 from layertap.errors import EngineError, ModelUnusable, StoreUnwritable
 from layertap.preflight import check_run
+from layertap.prepared_run import PreparedRun, prepare_run
 from layertap.store.registry import Registry
 from layertap.report import run_summary
 from layertap.runner import engine_cache
 from layertap.settings import DEPLOYMENT_LOCK_WAIT_S, Settings
 from layertap.store.store_db import StoreDB
+from layertap.store.plan import WorkBatch
 from layertap.store.lock import store_lock
-from layertap.model.truncation import truncation_length
 from layertap.parts.writer import stored_value_bytes
 from tasks import (
     extract_batch,
     ingest,
     normalise,
-    part_files,
     plan,
     publish_batches,
     quarantine_batch,
@@ -64,11 +65,11 @@ def resolve_model(settings: Settings) -> str:
     return build_tiny_model(settings.demo_model_dir())
 
 
-def _extracted(future, store: str, store_uuid: str, batch: dict, settings: Settings) -> dict:
+def _extracted(future, store: str, store_uuid: str, batch: WorkBatch, run: PreparedRun) -> Part:
     """A batch's part, reusing a cached part only while its files are still where the cache says."""
-    part = future.result()
-    if not all((Path(store) / file["relpath"]).is_file() for file in part_files(part)):
-        part = extract_batch.with_options(refresh_cache=True)(store, store_uuid, batch, settings)
+    part = Part.from_result(future.result())
+    if not all((Path(store) / file.relpath).is_file() for file in part.files):
+        part = extract_batch.with_options(refresh_cache=True)(store, store_uuid, batch, run)
     return part
 
 
@@ -129,6 +130,8 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
     run_id = history.start_run(dataset, str(flow_run.get_id() or "") or None)
 
     try:
+        run = prepare_run(settings)  # the model's files, layers and truncation length, read once for the run
+        settings = run.settings
         if StoreDB(store_dir).changed_sources(settings.input, settings.text_column):
             # New rows usually bring new prompts: the engine starts (or a warm one is attached) while they are
             # read and planned, not after.
@@ -136,19 +139,13 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
         ingested = ingest(store_dir, settings.input, settings.text_column)
         sources = ingested["sources"]
         normalised = normalise(store_dir, settings.remove_period)
-        key = register_extraction(
-            store_dir, settings.model, settings.pooling, settings.dtype, settings.remove_period,
-            settings.layer_spec(),
-            truncate_to=truncation_length(settings.model, settings.truncate, settings.max_model_len),
-            store_dtype=settings.store_dtype,
-        )
-        eid, layer_list = key["extraction_id"], key["layers"]
-        batches = plan(store_dir, eid, layer_list, key["rules_id"], settings.batch_size, sources,
-                       fill=settings.batches_in_flight)
-        planned = sum(b["num_prompts"] for b in batches)
+        store_uuid = register_extraction(store_dir, run)
+        eid, layer_list = run.extraction_id, run.layers
+        batches = plan(store_dir, run, sources, fill=settings.batches_in_flight)
+        planned = sum(b.num_prompts for b in batches)
         if batches:  # refused before any engine work when the output cannot fit
-            check_room(store_dir, sum(b["num_prompts"] * len(b["layers"]) for b in batches), key["hidden_size"],
-                       stored_value_bytes(settings.dtype, key["stored_dtype"]))
+            check_room(store_dir, sum(b.num_prompts * len(b.layers) for b in batches), run.hidden_size,
+                       stored_value_bytes(settings.dtype, run.stored_dtype))
 
         embedded = refused = tokens = succeeded = extracted = done = 0
         quarantined = []
@@ -170,18 +167,18 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
         def fill() -> None:
             while waiting and len(in_flight) < settings.batches_in_flight:
                 batch = waiting.popleft()
-                in_flight.append((batch, extract_batch.submit(store_dir, key["store_uuid"], batch, settings)))
+                in_flight.append((batch, extract_batch.submit(store_dir, store_uuid, batch, run)))
 
-        def take(batch: dict, future) -> None:
+        def take(batch: WorkBatch, future) -> None:
             nonlocal extracted, done
             try:
-                part = _extracted(future, store_dir, key["store_uuid"], batch, settings)
+                part = _extracted(future, store_dir, store_uuid, batch, run)
             except (StoreUnwritable, ModelUnusable):
                 raise  # the store's disk or the model, not the batch: every later batch would fail the same way
             except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
                 error = " ".join(f"{type(exc).__name__}: {exc}".split())
                 quarantined.append(quarantine_batch(store_dir, batch, error))
-                done += batch["num_prompts"]
+                done += batch.num_prompts
                 report_progress()  # the last batch to finish may be this one: the bar must still end
                 if not extracted and len(quarantined) >= MAX_FAILURES_BEFORE_SUCCESS:
                     raise EngineError(f"the first {len(quarantined)} batches all failed; last error: {error}") from None
@@ -191,7 +188,7 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
             # quote(): Prefect would otherwise walk every prompt hash the part lists, looking for futures, on
             # the flow's thread (~0.1 s per batch of 1024).
             checking.append((batch, part, validate_batch.submit(
-                store_dir, quote(part), key["hidden_size"], settings, parity=extracted == 0)))
+                store_dir, quote(part), run, parity=extracted == 0)))
             extracted += 1
 
         def publish_checked() -> None:
@@ -213,8 +210,8 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
                     succeeded += 1
                     embedded += counts["published"]
                     refused += counts["rejected"]
-                    tokens += part.get("num_tokens", 0)
-                    done += batch["num_prompts"]
+                    tokens += part.num_tokens
+                    done += batch.num_prompts
                 report_progress()
             if failure is not None:
                 raise failure
@@ -236,7 +233,7 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
                              engine_cache.engine_activity(settings))
         # Batches overlap, so the extraction phase is timed on the wall clock, not summed per batch.
         extract_seconds = time.perf_counter() - phase_started if batches else 0.0
-        ledger = validate_store(store_dir, key["rules_id"], eid, layer_list, sources)
+        ledger = validate_store(store_dir, run.rules_id, eid, layer_list, sources)
         if not batches:
             logger.info("nothing to extract: %d prompts already embedded", ledger["embedded"])
     except BaseException as exc:
@@ -247,7 +244,7 @@ def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started
 
     summary = run_summary(
         dataset=dataset, store=store_dir, model=settings.model, extraction_id=eid, layers=layer_list,
-        dimension=key["hidden_size"], ledger=ledger, seconds=time.perf_counter() - started,
+        dimension=run.hidden_size, ledger=ledger, seconds=time.perf_counter() - started,
         new_rows=ingested["rows_new"], normalised=normalised, planned=planned, batches=len(batches),
         embedded=embedded, refused=refused, tokens=tokens, extract_seconds=extract_seconds, engine=engine,
         quarantined=quarantined,

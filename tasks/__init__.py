@@ -4,7 +4,7 @@ Tasks pass paths, ids, hashes and counts between each other, never arrays: vecto
 engine to Parquet files on disk, and only the files' paths travel on.
 """
 
-from tasks.extract import batch_cache_key, extract_batch, part_files
+from tasks.extract import batch_cache_key, extract_batch
 from tasks.ingest import ingest
 from tasks.normalise import normalise
 from tasks.plan import plan, register_extraction
@@ -17,7 +17,6 @@ __all__ = [
     "extract_batch",
     "ingest",
     "normalise",
-    "part_files",
     "plan",
     "publish_batches",
     "quarantine_batch",

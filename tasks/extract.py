@@ -10,10 +10,11 @@ from prefect import get_run_logger, task
 from prefect.runtime import task_run
 from prefect.tasks import exponential_backoff
 
-from layertap.batch import run_batch
+from layertap.batch import Part, run_batch
 from layertap.runner.engine_cache import get_runner
 from layertap.errors import ModelUnusable, StoreUnwritable
-from layertap.settings import Settings
+from layertap.prepared_run import PreparedRun
+from layertap.store.plan import WorkBatch
 from layertap.store.store_db import StoreDB
 
 
@@ -25,20 +26,10 @@ def batch_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     """
     batch = parameters["batch"]
     payload = json.dumps(
-        [parameters["store_uuid"], batch["extraction_id"], sorted(batch["layers"]), batch["prompt_hashes_digest"]],
+        [parameters["store_uuid"], batch.extraction_id, sorted(batch.layers), batch.prompt_hashes_digest],
         separators=(",", ":"),
     )
     return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def part_files(part: dict) -> list[dict]:
-    """The files a batch was written as: {"part_id", "relpath", "prompt_hashes"} each.
-
-    Results cached before a batch could span files name one file and no hashes (the batch's, then).
-    """
-    if "files" in part:
-        return part["files"]
-    return [{"part_id": part["part_id"], "relpath": part["relpath"], "prompt_hashes": None}] if part["relpath"] else []
 
 
 def heals_on_retry(task, task_run, state) -> bool:
@@ -61,7 +52,7 @@ def heals_on_retry(task, task_run, state) -> bool:
     cache_key_fn=batch_cache_key,
     result_serializer="json",
 )
-def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) -> dict:
+def extract_batch(store: str, store_uuid: str, batch: WorkBatch, run: PreparedRun) -> Part:
     """Extract the batch's missing layers with the process's shared engine, or on a Ray engine with the ray
     executor (`layertap.batch.run_batch` either way); return the part's paths only.
 
@@ -70,24 +61,22 @@ def extract_batch(store: str, store_uuid: str, batch: dict, settings: Settings) 
     engine died).
     """
     logger = get_run_logger()
-    hashes, texts = StoreDB(store).batch_prompts(batch["batch_id"])
-    if len(hashes) != batch["num_prompts"]:
-        raise RuntimeError(
-            f"batch {batch['batch_id']} lists {len(hashes)} prompts, the plan said {batch['num_prompts']}"
-        )
-    if settings.executor == "ray":  # on one of the cluster's engines, its part named by this attempt
-        part = get_runner(settings).run_batch(store, batch, hashes, texts, settings, attempt=task_run.run_count)
+    hashes, texts = StoreDB(store).batch_prompts(batch.batch_id)
+    if len(hashes) != batch.num_prompts:
+        raise RuntimeError(f"batch {batch.batch_id} lists {len(hashes)} prompts, the plan said {batch.num_prompts}")
+    if run.settings.executor == "ray":  # on one of the cluster's engines, its part named by this attempt
+        part = get_runner(run.settings).run_batch(store, batch, hashes, texts, run, attempt=task_run.run_count)
     else:
-        part = run_batch(store, batch, hashes, texts, settings)
+        part = run_batch(store, batch, hashes, texts, run)
     logger.info(
         "extract batch %s: %d prompts x %d layers in %.2fs (%d tokens), %d rejected -> %d files%s",
-        batch["batch_id"],
-        part["num_prompts"],
-        len(part["layers"]),
-        part["seconds"],
-        part["num_tokens"],
-        len(part["rejected"]),
-        len(part["files"]),
-        f" on engine {part['engine']}" if part.get("engine") else "",
+        batch.batch_id,
+        part.num_prompts,
+        len(part.layers),
+        part.seconds,
+        part.num_tokens,
+        len(part.rejected),
+        len(part.files),
+        f" on engine {part.engine}" if part.engine else "",
     )
     return part

@@ -8,14 +8,17 @@ extraction key, so truncated and untruncated results never mix.
 from __future__ import annotations
 
 from layertap.errors import InputError
-from layertap.model.fingerprint import read_model_info
+from layertap.model.fingerprint import ModelInfo, read_model_info
 
 
-def truncation_length(model_dir: str, truncate: bool, max_model_len: int | None) -> int | None:
-    """Tokens a prompt is cut to (the engine's context), or None when truncation is off."""
+def truncation_length(
+    model_dir: str, truncate: bool, max_model_len: int | None, info: ModelInfo | None = None
+) -> int | None:
+    """Tokens a prompt is cut to (the engine's context), or None when truncation is off; `info` is the
+    model's, when already read."""
     if not truncate:
         return None
-    length = max_model_len or read_model_info(model_dir).max_position_embeddings
+    length = max_model_len or (info or read_model_info(model_dir)).max_position_embeddings
     if not length:
         raise InputError(
             f"truncate: {model_dir} does not state its context length (max_position_embeddings); "

@@ -80,16 +80,17 @@ class EngineActor:
         )
         return report
 
-    def run_batch(self, store: str, batch: dict, hashes: list[str], texts: list[str], settings,
-                  attempt: int | None, fault_spec: str | None = None) -> dict:
-        """The batch body on this actor's engine, with the run's settings (pooling, truncation, part size)
-        and fault points (`faults.follow`)."""
+    def run_batch(self, store: str, batch, hashes: list[str], texts: list[str], run,
+                  attempt: int | None, fault_spec: str | None = None):
+        """The batch body on this actor's engine, with the prepared run (pooling, truncation, part size) and
+        fault points (`faults.follow`); returns its `Part`."""
+        from dataclasses import replace
+
         from layertap.batch import run_batch
 
         faults.follow(fault_spec)
-        part = run_batch(store, batch, hashes, texts, engine_settings(settings), attempt)
-        part["engine"] = f"{self.index}@{socket.gethostname()}:{os.getpid()}"
-        return part
+        part = run_batch(store, batch, hashes, texts, replace(run, settings=engine_settings(run.settings)), attempt)
+        return replace(part, engine=f"{self.index}@{socket.gethostname()}:{os.getpid()}")
 
     def reference(self, texts: list[str], layers: list[int], pooling: str, trust_remote_code: bool) -> dict:
         """Hugging Face's vectors for the parity sample, computed here so the flow never loads torch."""
@@ -232,28 +233,28 @@ class RayEngines:
             ray.wait(waiting, num_returns=1, timeout=min(5.0, max(0.1, deadline - time.monotonic())))
 
     # --- what the flow calls ------------------------------------------------------------------------------
-    def run_batch(self, store: str, batch: dict, hashes: list[str], texts: list[str], settings,
-                  attempt: int | None = None) -> dict:
-        """Run the batch body on an engine that is up; returns the part's metadata. A dead or hung engine
-        fails the batch (for Prefect to retry elsewhere) and is restarted by Ray."""
+    def run_batch(self, store: str, batch, hashes: list[str], texts: list[str], run, attempt: int | None = None):
+        """Run the batch body (a `WorkBatch` of the `PreparedRun`) on an engine that is up; returns its `Part`.
+        A dead or hung engine fails the batch (for Prefect to retry elsewhere) and is restarted by Ray."""
+        settings = run.settings
         ray = ray_module()
         engine = self._pick()
         try:
             call = engine.handle.run_batch.options(max_task_retries=0)
-            ref = call.remote(store, batch, hashes, texts, settings, attempt, faults.active())
+            ref = call.remote(store, batch, hashes, texts, run, attempt, faults.active())
             try:
                 part = ray.get(ref, timeout=settings.batch_timeout)
             except ray.exceptions.GetTimeoutError:
                 ray.kill(engine.handle, no_restart=False)
                 self._restarting(engine)
                 raise EngineError(
-                    f"batch {batch['batch_id']} ran over {settings.batch_timeout:.0f}s on engine "
+                    f"batch {batch.batch_id} ran over {settings.batch_timeout:.0f}s on engine "
                     f"{engine.name()}: taken as hung, the engine is restarted") from None
             except ray.exceptions.RayTaskError as exc:
                 raise _original(exc) from None
             except ray.exceptions.RayActorError as exc:
                 self._restarting(engine)
-                raise EngineError(f"engine {engine.name()} died during batch {batch['batch_id']}: "
+                raise EngineError(f"engine {engine.name()} died during batch {batch.batch_id}: "
                                   f"{_cause_text(exc)}") from None
         finally:
             with self._lock:

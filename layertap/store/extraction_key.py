@@ -6,7 +6,6 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from layertap.model.fingerprint import fingerprint_model, read_model_info
 from layertap.settings import stored_dtype_for
 
 
@@ -40,15 +39,3 @@ class ExtractionKey:
             fields["stored_dtype"] = self.stored_dtype
         canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
-
-    @classmethod
-    def for_model(
-        cls, model_dir: str, pooling: str, dtype: str, rules_id: str, truncate_to: int | None = None,
-        store_dtype: str | None = None,
-    ) -> ExtractionKey:
-        """The key of a model folder, read from its files (no engine needed)."""
-        info = read_model_info(model_dir)
-        return cls(model_fingerprint=fingerprint_model(model_dir), model_path=model_dir, pooling=pooling,
-                   dtype=dtype, rules_id=rules_id, hidden_size=info.hidden_size, num_layers=info.num_layers,
-                   truncate_to=truncate_to, store_dtype=store_dtype)
-

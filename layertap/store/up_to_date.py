@@ -12,17 +12,15 @@ import time
 from pathlib import Path
 
 from layertap import faults
-from layertap.model.layers import resolve_layers
 from layertap.store.normalise import NormaliseRules
+from layertap.prepared_run import prepare_run
 from layertap.store.registry import Registry
 from layertap.report import run_summary
-from layertap.store.extraction_key import ExtractionKey
 from layertap.store.inputs import expand_inputs
 from layertap.store.schema import DB_NAME
 from layertap.store.store_db import StoreDB
 from layertap.store.lock import store_lock
 from layertap.model.tiny_model import is_built
-from layertap.model.truncation import truncation_length
 from layertap.parts.checks import check_store_complete
 
 
@@ -50,10 +48,8 @@ def finish_if_up_to_date(settings, dataset: str | None = None) -> dict | None:
         sources = expand_inputs(settings.input)
         if db.rows_to_normalise(rules, sources):
             return None
-        key = ExtractionKey.for_model(model, settings.pooling, settings.dtype, rules.rules_id,
-                                      truncation_length(model, settings.truncate, settings.max_model_len),
-                                      settings.store_dtype)
-        layers = resolve_layers(settings.layer_spec(), key.num_layers)
+        run = prepare_run(settings, model)
+        key, layers = run.key, run.layers
         if not db.has_extraction(key.extraction_id):
             return None
         if db.pending_prompts(key.extraction_id, layers, rules.rules_id, sources):

@@ -338,7 +338,7 @@ def record_flow_steps(monkeypatch, events: list, publish_delay: float = 0.0) -> 
 
         def submit(self, store, *args, **kwargs):
             batch = args[1] if self.name == "submit" else args[0].unquote()  # parts are quoted
-            events.append((self.name, batch["batch_id"]))
+            events.append((self.name, batch.batch_id))
             return self.task.submit(store, *args, **kwargs)
 
         def with_options(self, **options):
@@ -347,7 +347,7 @@ def record_flow_steps(monkeypatch, events: list, publish_delay: float = 0.0) -> 
     real_publish = pipeline.publish_batches
 
     def recorded_publish(store, parts):
-        events.append(("publish", tuple(part["batch_id"] for part in parts.unquote())))
+        events.append(("publish", tuple(part.batch_id for part in parts.unquote())))
         time.sleep(publish_delay)  # the fault: a store that answers slowly
         return real_publish(store, parts)
 
@@ -473,14 +473,19 @@ def test_failed_validation_publishes_nothing(run, tmp_path, tiny_model, monkeypa
 
 
 def test_batch_cache_key_is_tied_to_store_and_batch():
+    from dataclasses import replace
+
+    from layertap.store.plan import WorkBatch
     from tasks.extract import batch_cache_key
 
-    batch = {"extraction_id": "e" * 16, "layers": [0, 2], "prompt_hashes_digest": "d" * 64}
+    batch = WorkBatch(batch_id="b", extraction_id="e" * 16, layers=[0, 2], prompt_hashes_digest="d" * 64,
+                      num_prompts=1)
     key = batch_cache_key(None, {"store_uuid": "u1", "batch": batch})
-    assert key == batch_cache_key(None, {"store_uuid": "u1", "batch": dict(batch, layers=[2, 0])})
+    assert key == batch_cache_key(None, {"store_uuid": "u1", "batch": replace(batch, layers=[2, 0])})
     assert key != batch_cache_key(None, {"store_uuid": "u2", "batch": batch})
-    assert key != batch_cache_key(None, {"store_uuid": "u1", "batch": dict(batch, layers=[0])})
-    assert key != batch_cache_key(None, {"store_uuid": "u1", "batch": dict(batch, prompt_hashes_digest="x")})
+    assert key != batch_cache_key(None, {"store_uuid": "u1", "batch": replace(batch, layers=[0])})
+    assert key != batch_cache_key(None, {"store_uuid": "u1", "batch": replace(batch, prompt_hashes_digest="x")})
+    assert key == batch_cache_key(None, {"store_uuid": "u1", "batch": replace(batch, batch_id="b2", num_prompts=2)})
 
 
 def test_prompts_the_engine_refuses_are_rejected_once(run, tmp_path):
@@ -504,31 +509,32 @@ def test_extract_batch_is_a_cache_hit_for_the_same_store_only(tiny_model, tmp_pa
     """Re-running a done batch reuses its part; the same batch in a fresh store is extracted anew."""
     from prefect import flow
 
+    from layertap.prepared_run import prepare_run
     from layertap.settings import load_settings
     from tasks import extract_batch, ingest, normalise, plan, register_extraction
 
     source = write_jsonl(tmp_path / "in.jsonl", ["one prompt", "another prompt"])
-    settings = load_settings(env_file=None, model=tiny_model)
+    run = prepare_run(load_settings(env_file=None, model=tiny_model, layers=[1], batch_size=16))
 
     @flow
     def extract_twice(store: str) -> tuple:
         ingest(store, [source], "text")
         normalise(store, False)
-        key = register_extraction(store, tiny_model, "last", "float32", False, [1])
-        (batch,) = plan(store, key["extraction_id"], key["layers"], key["rules_id"], 16)
-        first = extract_batch(store, key["store_uuid"], batch, settings, return_state=True)
+        store_uuid = register_extraction(store, run)
+        (batch,) = plan(store, run)
+        first = extract_batch(store, store_uuid, batch, run, return_state=True)
         requests = engine_cache.runner_requests()
-        second = extract_batch(store, key["store_uuid"], batch, settings, return_state=True)
+        second = extract_batch(store, store_uuid, batch, run, return_state=True)
         return first.name, second.name, engine_cache.runner_requests() - requests, first.result(), second.result()
 
     first, second, asked, part, cached = extract_twice(str(tmp_path / "a"))
     assert (first, second, asked) == ("Completed", "Cached", 0)
-    (file,) = part["files"]
-    assert cached == part and (tmp_path / "a" / file["relpath"]).is_file()
+    (file,) = part.files
+    assert cached == part and (tmp_path / "a" / file.relpath).is_file()
 
     first, _, _, other, _ = extract_twice(str(tmp_path / "b"))  # same batch, another store
-    assert first == "Completed" and other["part_id"] == part["part_id"]
-    assert (tmp_path / "b" / other["files"][0]["relpath"]).is_file()
+    assert first == "Completed" and other.part_id == part.part_id
+    assert (tmp_path / "b" / other.files[0].relpath).is_file()
 
 
 @pytest.mark.parametrize("placement", [{"engine_process": True}, {"engine_process": True, "runner_process": True}],
