@@ -55,7 +55,7 @@ class Part:
     # What the part must hold, in plan order: passed on so that checking and publishing the part need not
     # read the batch from the store again (each store access opens the database file). None in a part
     # cached before it was passed on.
-    prompt_hashes: list[str] | None
+    prompt_hashes: list[str] | None = None
     rejected: dict[str, str] = field(default_factory=dict)
     truncated: dict[str, str] = field(default_factory=dict)
     # Why the values failed their check before writing (the part is still written, to be quarantined).
