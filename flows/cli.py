@@ -207,8 +207,9 @@ def settings_from_args(args: argparse.Namespace, **forced: Any):
     return load_settings(env_file=_env_file(args), **given)
 
 
-def preflight(settings) -> None:
-    """Cheap checks before Prefect starts, so common mistakes fail fast with one clear line."""
+def preflight(settings):
+    """Cheap checks before Prefect starts, so common mistakes fail fast with one clear line; returns the run
+    prepared against its model (None for the demo model before it is built)."""
     from layertap.errors import InputError
 
     if not settings.input:
@@ -219,7 +220,7 @@ def preflight(settings) -> None:
             raise InputError(f"input: no file matches {pattern}")
     from layertap.preflight import check_run
 
-    check_run(settings)
+    return check_run(settings)
 
 
 def run_flow(settings) -> dict:
@@ -287,15 +288,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from layertap.store.registry import dataset_settings
     from layertap.store.up_to_date import finish_if_up_to_date
 
+    prepared = None
     if args.dataset:
         options = _dataset_options(args)
         store = str(settings_from_args(args).store_path())
         settings = dataset_settings(args.dataset, store, _env_file(args), options)
     else:
         settings = settings_from_args(args)
-        preflight(settings)
+        prepared = preflight(settings)
     # Nothing new: answered from the store, without Prefect, torch or an engine.
-    summary = finish_if_up_to_date(settings, args.dataset)
+    summary = finish_if_up_to_date(settings, args.dataset, prepared)
     if summary is None:
         from layertap.runner.engine_cache import check_executor
 
@@ -508,8 +510,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from layertap.store.up_to_date import finish_if_up_to_date
 
     settings = settings_from_args(args, input=[str(SAMPLE_DATA)], text_column="text")
-    preflight(settings)
-    summary = finish_if_up_to_date(settings)  # a rerun of the demo: answered from the store
+    summary = finish_if_up_to_date(settings, run=preflight(settings))  # a rerun of the demo: from the store
     if summary is None:
         with _progress_bar(args):
             summary = run_flow(settings)

@@ -104,7 +104,7 @@ def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
     """Embed the rows of `settings.input`; returns the run summary (also recorded in the store)."""
     started = time.perf_counter()
     logger = get_run_logger()
-    check_run(settings)  # nothing is written before inputs, model, layers and store check out
+    prepared = check_run(settings)  # nothing is written before inputs, model, layers and store check out
     engine_cache.check_executor(settings)  # with the ray executor: the cluster holds the engines asked for
     store_dir = str(settings.store_path())
     if not settings.model:
@@ -121,16 +121,22 @@ def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
     # Prefect (a concurrency limit per store), then its lock with what is left of the wait.
     turn = store_turn(store_dir, settings.lock_timeout, logger) if deployed else contextlib.nullcontext(
         settings.lock_timeout)
+    if prepared is not None:
+        prepared = prepared.with_settings(**settings.model_dump(include={"store", "warm_engine", "lock_timeout"}))
     with library_logs_to_prefect(), turn as lock_wait, store_lock(store_dir, lock_wait):
-        return _run_locked(settings, store_dir, dataset, started, logger)
+        return _run_locked(settings, prepared, store_dir, dataset, started, logger)
 
 
-def _run_locked(settings: Settings, store_dir: str, dataset: str | None, started: float, logger) -> dict:
+def _run_locked(
+    settings: Settings, prepared: PreparedRun | None, store_dir: str, dataset: str | None, started: float, logger
+) -> dict:
     history = Registry(store_dir)
     run_id = history.start_run(dataset, str(flow_run.get_id() or "") or None)
 
     try:
-        run = prepare_run(settings)  # the model's files, layers and truncation length, read once for the run
+        # The model's files, layers and truncation length, read once for the run (by the preflight, unless the
+        # model is the demo one it has just built).
+        run = prepared or prepare_run(settings)
         settings = run.settings
         if StoreDB(store_dir).changed_sources(settings.input, settings.text_column):
             # New rows usually bring new prompts: the engine starts (or a warm one is attached) while they are

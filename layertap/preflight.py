@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 
 from layertap.errors import InputError
-from layertap.model.layers import resolve_layers
-from layertap.model.fingerprint import check_model_folder
+from layertap.prepared_run import PreparedRun, prepare_run
 from layertap.store.inputs import check_inputs
 from layertap.store.reader import Store
 from layertap.store.schema import DB_NAME
@@ -36,15 +35,16 @@ def check_model_code(model_dir: str | Path, trust_remote_code: bool) -> None:
         )
 
 
-def check_run(settings) -> None:
-    """Inputs, model, layers and store, in that order; raises InputError or StoreError."""
+def check_run(settings) -> PreparedRun | None:
+    """Inputs, model, layers and store, in that order; raises InputError or StoreError. Returns the run
+    prepared against its model (`prepare_run`), or None for the demo model, which is not built yet."""
     if not settings.input:
         raise InputError("input: no input files given (--input or LAYERTAP_INPUT)")
     check_inputs(list(settings.input), settings.text_column)
+    run = None
     if settings.model:
-        model = Path(settings.model).expanduser()
-        info = check_model_folder(settings.model, settings.load_format)
-        check_model_code(model, settings.trust_remote_code)
-        resolve_layers(settings.layer_spec(), info.num_layers)
+        run = prepare_run(settings)  # the folder (config, weights, tokenizer), then the layers
+        check_model_code(Path(settings.model).expanduser(), settings.trust_remote_code)
     if (settings.store_path() / DB_NAME).is_file():
         Store(settings.store_path())  # opens read-only and checks the schema version
+    return run

@@ -63,8 +63,9 @@ class PreparedRun:
 def prepare_run(settings: Settings, model_dir: str | None = None) -> PreparedRun:
     """Read the model folder (`model_dir`, else `settings.model`) once: check it, fingerprint it, resolve
     the layers and the truncation length against it. Raises the preflight's one-line errors."""
-    model = str(Path(model_dir or settings.model).expanduser().resolve())
-    info = check_model_folder(model, settings.load_format)
+    given = model_dir or settings.model
+    info = check_model_folder(given, settings.load_format)  # its errors name the folder as given
+    model = str(Path(given).expanduser().resolve())
     layers = resolve_layers(settings.layer_spec(), info.num_layers)
     key = ExtractionKey(
         model_fingerprint=fingerprint_model(model), model_path=model, pooling=settings.pooling,

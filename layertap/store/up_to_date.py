@@ -13,7 +13,7 @@ from pathlib import Path
 
 from layertap import faults
 from layertap.store.normalise import NormaliseRules
-from layertap.prepared_run import prepare_run
+from layertap.prepared_run import PreparedRun, prepare_run
 from layertap.store.registry import Registry
 from layertap.report import run_summary
 from layertap.store.inputs import expand_inputs
@@ -32,9 +32,10 @@ def built_model(settings) -> str | None:
     return str(demo) if is_built(demo) else None
 
 
-def finish_if_up_to_date(settings, dataset: str | None = None) -> dict | None:
+def finish_if_up_to_date(settings, dataset: str | None = None, run: PreparedRun | None = None) -> dict | None:
     """The run's summary, recorded as a completed run, when the store already holds everything the inputs
-    ask for; None when there is work (or the store or model do not exist yet)."""
+    ask for; None when there is work (or the store or model do not exist yet). `run`: the settings already
+    prepared against the model (the preflight's)."""
     started = time.perf_counter()
     store_dir = settings.store_path()
     model = built_model(settings)
@@ -48,7 +49,7 @@ def finish_if_up_to_date(settings, dataset: str | None = None) -> dict | None:
         sources = expand_inputs(settings.input)
         if db.rows_to_normalise(rules, sources):
             return None
-        run = prepare_run(settings, model)
+        run = run or prepare_run(settings, model)
         key, layers = run.key, run.layers
         if not db.has_extraction(key.extraction_id):
             return None
