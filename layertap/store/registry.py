@@ -24,7 +24,6 @@ from layertap.store.store_db import StoreDB
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
-
 @dataclass(frozen=True)
 class Dataset:
     name: str
