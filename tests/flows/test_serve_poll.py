@@ -23,7 +23,7 @@ def served(tmp_path):
     srv.start("server", PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(srv.port))
     try:
         srv.wait_healthy()
-        srv.start("serve", sys.executable, "-m", "layertap.cli", "serve")
+        srv.start("serve", sys.executable, "-m", "flows.cli", "serve")
         deadline = time.monotonic() + 180
         while len(srv.post("/deployments/filter", {})) < 3:
             if time.monotonic() > deadline or srv.procs[-1].poll() is not None:
@@ -55,7 +55,7 @@ def test_serve_polls_rarely_and_starts_triggered_runs_on_their_scheduled_event(s
     store = tmp_path / "store"
     for i in range(3):
         options = ["--model", tiny_model] if i == 0 else []
-        served.run(sys.executable, "-m", "layertap.cli", "add", "--dataset", "quick", "--store", str(store),
+        served.run(sys.executable, "-m", "flows.cli", "add", "--dataset", "quick", "--store", str(store),
                    "--input", write_csv(tmp_path / f"empty{i}.csv", []), "--json", *options)
         deadline = time.monotonic() + 300
         while True:
