@@ -11,10 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED
-from concurrent.futures import wait as wait_first
 from pathlib import Path
 
 from prefect import get_run_logger
@@ -26,8 +23,9 @@ from flows.store_turn import store_turn
 from layertap import faults
 from layertap import progress as run_progress
 from layertap.batch import Part
+from layertap.batch_loop import BatchLoop
 from layertap.store.disk_space import check_room
-from layertap.errors import EngineError, ModelUnusable, StoreUnwritable
+from layertap.errors import ModelUnusable, StoreUnwritable
 from layertap.preflight import check_run
 from layertap.prepared_run import PreparedRun, prepare_run
 from layertap.store.registry import Registry
@@ -51,11 +49,6 @@ from tasks import (
 )
 from tasks.artifacts import ProgressArtifact, publish_counts
 
-# A run whose first batches all fail has a broken engine or model, not bad batches: stop instead of
-# quarantining everything.
-MAX_FAILURES_BEFORE_SUCCESS = 3
-
-
 def resolve_model(settings: Settings) -> str:
     """The model folder to use; without one, the embedded tiny demo model (built once, then reused)."""
     if settings.model:
@@ -71,6 +64,33 @@ def _extracted(future, store: str, store_uuid: str, batch: WorkBatch, run: Prepa
     if not all((Path(store) / file.relpath).is_file() for file in part.files):
         part = extract_batch.with_options(refresh_cache=True)(store, store_uuid, batch, run)
     return part
+
+
+class _TaskStages:
+    """The batch loop's stages as this flow's Prefect tasks (`layertap.batch_loop.Stages`)."""
+
+    def __init__(self, store: str, store_uuid: str, run: PreparedRun):
+        self.store, self.store_uuid, self.run = store, store_uuid, run
+
+    def extract(self, batch: WorkBatch):
+        return extract_batch.submit(self.store, self.store_uuid, batch, self.run)
+
+    def extracted(self, batch: WorkBatch, future) -> Part:
+        return _extracted(future, self.store, self.store_uuid, batch, self.run)
+
+    def check(self, batch: WorkBatch, part: Part, first: bool):
+        # quote(): Prefect would otherwise walk every prompt hash the part lists, looking for futures, on
+        # the flow's thread (~0.1 s per batch of 1024).
+        return validate_batch.submit(self.store, quote(part), self.run, parity=first)
+
+    def publish(self, ready: list[tuple[WorkBatch, Part]]) -> list[dict]:
+        return publish_batches(self.store, quote([part for _, part in ready]))
+
+    def quarantine(self, batch: WorkBatch, error: str) -> dict:
+        return quarantine_batch(self.store, batch, error)
+
+    def concurrent(self, future):
+        return future.wrapped_future
 
 
 def _engine_use(before, after) -> dict:
@@ -153,92 +173,25 @@ def _run_locked(
             check_room(store_dir, sum(b.num_prompts * len(b.layers) for b in batches), run.hidden_size,
                        stored_value_bytes(settings.dtype, run.stored_dtype))
 
-        embedded = refused = tokens = succeeded = extracted = done = 0
-        quarantined = []
         watch = ProgressArtifact(dataset, planned, len(batches))
         elapsed = run_progress.stopwatch()
-        # At most `batches_in_flight` extractions run at once (each holds its vectors in host memory until
-        # written). The flow's thread waits for whichever comes first, the oldest extraction or the oldest
-        # part's checks. A finished extraction frees its slot for the next batch at once, so the engine never
-        # waits on the flow's own steps; its part's checks then run on a worker thread. Checked parts are
-        # published in batch order, all that are waiting in one transaction: when publishing is slow (every
-        # store statement waits for Python's lock while the engine loop computes in this process), the
-        # flow publishes fewer, larger groups instead of falling further behind.
-        waiting, in_flight, checking = deque(batches), deque(), deque()
-
-        def report_progress() -> None:
-            finished = len(quarantined) + succeeded
-            run_progress.report(run_progress.Progress(finished, len(batches), done, planned, elapsed()))
-
-        def fill() -> None:
-            while waiting and len(in_flight) < settings.batches_in_flight:
-                batch = waiting.popleft()
-                in_flight.append((batch, extract_batch.submit(store_dir, store_uuid, batch, run)))
-
-        def take(batch: WorkBatch, future) -> None:
-            nonlocal extracted, done
-            try:
-                part = _extracted(future, store_dir, store_uuid, batch, run)
-            except (StoreUnwritable, ModelUnusable):
-                raise  # the store's disk or the model, not the batch: every later batch would fail the same way
-            except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
-                error = " ".join(f"{type(exc).__name__}: {exc}".split())
-                quarantined.append(quarantine_batch(store_dir, batch, error))
-                done += batch.num_prompts
-                report_progress()  # the last batch to finish may be this one: the bar must still end
-                if not extracted and len(quarantined) >= MAX_FAILURES_BEFORE_SUCCESS:
-                    raise EngineError(f"the first {len(quarantined)} batches all failed; last error: {error}") from None
-                fill()
-                return
-            fill()
-            # quote(): Prefect would otherwise walk every prompt hash the part lists, looking for futures, on
-            # the flow's thread (~0.1 s per batch of 1024).
-            checking.append((batch, part, validate_batch.submit(
-                store_dir, quote(part), run, parity=extracted == 0)))
-            extracted += 1
-
-        def publish_checked() -> None:
-            """Every part waiting, in batch order, once checked; up to the first that fails its checks, which
-            has quarantined its files and stops the run here."""
-            nonlocal succeeded, embedded, refused, tokens, done
-            ready, failure = [], None
-            while checking:
-                batch, part, checked = checking.popleft()
-                try:
-                    checked.result()
-                except Exception as exc:  # noqa: BLE001 - raised once the parts before it are published
-                    failure = exc
-                    break
-                ready.append((batch, part))
-            if ready:
-                published = publish_batches(store_dir, quote([part for _, part in ready]))
-                for (batch, part), counts in zip(ready, published):
-                    succeeded += 1
-                    embedded += counts["published"]
-                    refused += counts["rejected"]
-                    tokens += part.num_tokens
-                    done += batch.num_prompts
-                report_progress()
-            if failure is not None:
-                raise failure
-
+        loop = BatchLoop(
+            _TaskStages(store_dir, store_uuid, run), batches, in_flight=settings.batches_in_flight,
+            size=lambda batch: batch.num_prompts, fatal=(StoreUnwritable, ModelUnusable),
+            progress=lambda done: run_progress.report(run_progress.Progress(
+                done.batches_done, len(batches), done.prompts_done, planned, elapsed())),
+        )
         phase_started = time.perf_counter()
         activity_before = engine_cache.engine_activity(settings)  # both readings lie inside the phase's time
         with run_progress.listen(watch):
-            if batches:
-                report_progress()  # extraction starts: a terminal's bar appears at 0
-            fill()
-            while in_flight or checking:
-                heads = [queue[0][-1] for queue in (in_flight, checking) if queue]
-                wait_first([future.wrapped_future for future in heads], return_when=FIRST_COMPLETED)
-                while in_flight and in_flight[0][1].wrapped_future.done():
-                    take(*in_flight.popleft())
-                if checking and checking[0][2].wrapped_future.done():
-                    publish_checked()
+            extraction = loop.run()
         engine = _engine_use(activity_before or engine_cache.activity_when_attached(settings),
                              engine_cache.engine_activity(settings))
         # Batches overlap, so the extraction phase is timed on the wall clock, not summed per batch.
         extract_seconds = time.perf_counter() - phase_started if batches else 0.0
+        embedded = sum(done.result["published"] for done in extraction.published)
+        refused = sum(done.result["rejected"] for done in extraction.published)
+        tokens = sum(done.part.num_tokens for done in extraction.published)
         ledger = validate_store(store_dir, run.rules_id, eid, layer_list, sources)
         if not batches:
             logger.info("nothing to extract: %d prompts already embedded", ledger["embedded"])
@@ -253,7 +206,7 @@ def _run_locked(
         dimension=run.hidden_size, ledger=ledger, seconds=time.perf_counter() - started,
         new_rows=ingested["rows_new"], normalised=normalised, planned=planned, batches=len(batches),
         embedded=embedded, refused=refused, tokens=tokens, extract_seconds=extract_seconds, engine=engine,
-        quarantined=quarantined,
+        quarantined=extraction.quarantined,
     )
     publish_counts(summary)
     history.finish_run(run_id, "completed", summary["seconds"], summary)
