@@ -1,11 +1,12 @@
 # The two commands a new machine needs: `make demo` and `make test`. Both set up .venv first.
+# `make test-fast` leaves out every test that starts a Prefect server, a vLLM engine or a Ray cluster.
 PYTHON ?= python3
 VENV ?= .venv
 EXTRAS ?= cpu,test,ray
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: setup demo test bench-cpu clean
+.PHONY: setup demo test test-fast bench-cpu clean
 
 setup: $(STAMP)
 
@@ -23,6 +24,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q
+
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow"
 
 bench-cpu: $(STAMP)
 	$(VENV)/bin/python bench/cpu_stages.py

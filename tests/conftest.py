@@ -1,4 +1,6 @@
-"""Fixtures shared by the whole suite: a clean environment, one Prefect test server, one tiny model."""
+"""Fixtures shared by the whole suite: a clean environment, one Prefect test server, one tiny model; and the
+`slow` mark that keeps the fast lane (`make test-fast`: `pytest -m "not slow"`) free of Prefect servers,
+vLLM engines and Ray clusters without marking each test by hand."""
 
 from __future__ import annotations
 
@@ -7,6 +9,27 @@ import os
 import pytest
 
 from layertap.runner import engine_cache
+
+
+# A test that asks for one of these fixtures starts a Prefect server or a vLLM engine (or a Ray cluster).
+SLOW_FIXTURES = frozenset({
+    "prefect_harness", "shared_engine",  # this file
+    "model_dirs", "engines", "references",  # tests/layertap/runner/runner_fixtures.py
+    "served",  # tests/flows/test_warm_runs.py
+    "server",  # tests/test_prefect_yaml.py
+})
+# Tests that start engines or Prefect servers of their own, in this process or in children.
+SLOW_TESTS = (
+    "tests/test_crash_safety.py",  # 21 `layertap run` children, each with its own Prefect server and engine
+    "tests/flows/test_store_turns.py",  # a Prefect server and `layertap serve` of its own
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (SLOW_FIXTURES.intersection(item.fixturenames) or item.get_closest_marker("ray")
+                or item.nodeid.startswith(SLOW_TESTS)):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)
