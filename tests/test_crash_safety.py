@@ -1,10 +1,12 @@
 """SIGKILL at twenty points of a 2,000-row run, each kill followed by a rerun; at the end the store holds
 exactly one result per (prompt, layer), no stray files, and a ledger that accounts for every input row.
 
-The killed processes run the Prefect flow as users do, `layertap run` (the embed flow in-process, on
-Prefect's temporary local API), on the tiny model with the real vLLM engine. Each rerun is itself killed at
-the next point, so the run gets further every time; points are ordered along the run, so the first eight
-cost no engine start. Every child gets the same private Prefect home.
+The killed processes run the Prefect flow as users do, `layertap run` (the embed flow in-process), on the
+tiny model with the real vLLM engine. They report to the suite's Prefect test server: a temporary local API
+of their own would cost every child a server start, and the store's safety does not depend on which server
+records the runs. Each rerun is itself killed at the next point, so the run gets further every time; points
+are ordered along the run, so the first eight cost no engine start. Every child gets the same private Prefect
+home.
 """
 
 from __future__ import annotations
@@ -66,13 +68,13 @@ def write_inputs(folder: Path) -> list[str]:
     return [str(folder / "a.csv"), str(folder / "b.jsonl")]
 
 
-def run_flow(inputs, store, model, folder: Path, kill: str | None) -> subprocess.CompletedProcess:
-    """`layertap run` in a child process with a session of its own; what is left of that session when the
-    child ends (the temporary Prefect server of a killed flow) is killed too. Output goes to files: a
-    server the killed flow left behind would hold pipes open."""
+def run_flow(inputs, store, model, folder: Path, kill: str | None, api: str) -> subprocess.CompletedProcess:
+    """`layertap run` in a child process with a session of its own, reporting to the Prefect API at `api`;
+    what is left of that session when the child ends (an engine process of a killed run) is killed too.
+    Output goes to files: a process the killed run left behind would hold pipes open."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LAYERTAP_", "PREFECT_"))}
-    env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(folder / "prefect"), VLLM_LOGGING_LEVEL="WARNING",
-               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(folder / "prefect"), PREFECT_API_URL=api,
+               VLLM_LOGGING_LEVEL="WARNING", PREFECT_SERVER_ANALYTICS_ENABLED="false")
     if kill:
         env["LAYERTAP_FAULTS"] = kill
     command = [sys.executable, "-m", "flows.cli", "run", "--input", *inputs, "--store", str(store),
@@ -92,9 +94,13 @@ def run_flow(inputs, store, model, folder: Path, kill: str | None) -> subprocess
         return subprocess.CompletedProcess(command, child.returncode, stdout.read(), stderr.read())
 
 
-def test_sigkill_at_twenty_points_loses_nothing(tmp_path, tiny_model):
+def test_sigkill_at_twenty_points_loses_nothing(tmp_path, tiny_model, prefect_harness):
+    from prefect.settings import PREFECT_API_URL
+
     from layertap import Store
     from layertap.parts.checks import check_part
+
+    api = PREFECT_API_URL.value()
 
     assert len({point for point, _ in KILLS}) == 20
     inputs = write_inputs(tmp_path)
@@ -102,10 +108,10 @@ def test_sigkill_at_twenty_points_loses_nothing(tmp_path, tiny_model):
     took = []
     for point, n in KILLS:
         started = time.monotonic()
-        out = run_flow(inputs, store, tiny_model, tmp_path, f"{point}:kill@{n}")
+        out = run_flow(inputs, store, tiny_model, tmp_path, f"{point}:kill@{n}", api)
         took.append(f"{point}@{n} {time.monotonic() - started:.0f}s")
         assert out.returncode == -signal.SIGKILL, f"not killed at {point}@{n}: {out.stderr[-3000:]}"
-    final = run_flow(inputs, store, tiny_model, tmp_path, None)
+    final = run_flow(inputs, store, tiny_model, tmp_path, None, api)
     assert final.returncode == 0, final.stderr[-3000:]
     print("runs:", ", ".join(took))
 
