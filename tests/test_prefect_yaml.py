@@ -56,6 +56,16 @@ class Server:
         self.logs.mkdir(parents=True)
         self.procs: list[subprocess.Popen] = []
 
+    def serve_deployments(self, timeout: float = 180) -> None:
+        """Start `layertap serve` against this server; return once it has registered prefect.yaml's three
+        deployments."""
+        self.start("serve", sys.executable, "-m", "flows.cli", "serve")
+        deadline = time.monotonic() + timeout
+        while len(self.post("/deployments/filter", {})) < 3:
+            if time.monotonic() > deadline or self.procs[-1].poll() is not None:
+                pytest.fail(f"layertap serve did not register the deployments\n{self.tail()}")
+            time.sleep(1)
+
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = (self.logs / f"{name}.log").open("w")
         proc = subprocess.Popen(args, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,

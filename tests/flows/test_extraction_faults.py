@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from task_runs import extract_run_counts
 
 from layertap import faults, progress
 from layertap.runner import engine_cache
@@ -37,15 +38,6 @@ def run(tiny_model, tmp_path):
         return state.result(), state.state_details.flow_run_id
 
     return go
-
-
-def extract_run_counts(flow_run_id) -> list[int]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return sorted(r.run_count for r in runs if r.name.startswith("extract-batch"))
 
 
 def run_logs(flow_run_id) -> list[str]:

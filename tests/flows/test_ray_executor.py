@@ -7,7 +7,6 @@ The module's runs share the two engines (the registry is pinned); they are stopp
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import duckdb
@@ -16,6 +15,9 @@ import pytest
 
 pytest.importorskip("ray")
 
+from task_runs import extract_run_counts  # noqa: E402
+
+from bench.incremental import write_csv  # noqa: E402
 from layertap import Store, faults  # noqa: E402
 from layertap.runner import engine_cache  # noqa: E402
 from flows.cli import main  # noqa: E402
@@ -28,14 +30,6 @@ RAY = {"executor": "ray", "engines": 2}
 
 def prompts(n: int, topic: str) -> list[str]:
     return [f"{topic} prompt {i}: the river {i * 7 % 13} passes the clock tower {i % 11} at dawn" for i in range(n)]
-
-
-def write_csv(path: Path, texts: list[str]) -> str:
-    with path.open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["text"])
-        writer.writerows([t] for t in texts)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +61,6 @@ def run(tiny_model, tmp_path):
         return state.result(), state.state_details.flow_run_id
 
     return go
-
-
-def extract_run_counts(flow_run_id) -> list[int]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return sorted(r.run_count for r in runs if r.name.startswith("extract-batch"))
 
 
 def layer_vectors(store: Path, layer: int) -> tuple[list[str], np.ndarray]:

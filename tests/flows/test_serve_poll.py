@@ -23,12 +23,7 @@ def served(tmp_path):
     srv.start("server", PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(srv.port))
     try:
         srv.wait_healthy()
-        srv.start("serve", sys.executable, "-m", "flows.cli", "serve")
-        deadline = time.monotonic() + 180
-        while len(srv.post("/deployments/filter", {})) < 3:
-            if time.monotonic() > deadline or srv.procs[-1].poll() is not None:
-                pytest.fail(f"layertap serve did not register the deployments\n{srv.tail()}")
-            time.sleep(1)
+        srv.serve_deployments()
         yield srv
     finally:
         srv.stop()
