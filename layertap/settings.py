@@ -75,9 +75,8 @@ class Settings(BaseSettings):
 
     # Work sizing and checks.
     batch_size: int = option("prompts per extraction batch (default: 1024)", "N", 1024, ge=1)
-    # Batches extracted at once: the engine computes some while the others are written and published. With
-    # three, a 7B model's 100,000 short prompts left an H200 idle a fifth of the time; four cut that to an
-    # eighth, for one more host buffer (bench/README.md).
+    # Batches extracted at once: the engine computes some while the others are written and published; each
+    # holds a host buffer. Four keep a 7B model's engine busy on short prompts, where writing is heaviest.
     batches_in_flight: int = option(
         "batches extracted at once, so writing overlaps the engine (default: 4)", "N", 4, ge=1)
     # Largest Parquet file a batch is written as (MB of vectors before compression): a bigger batch is split

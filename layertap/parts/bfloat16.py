@@ -54,7 +54,7 @@ def row_peaks(array: np.ndarray) -> np.ndarray:
     One pass answers both value checks: a row holds NaN or inf exactly when its peak is at least 0x7F80
     (exponent all ones), and is all zeros exactly when its peak is 0. Two numpy calls for the whole array:
     each gives Python's lock up and must take it back, which costs milliseconds when other threads of the
-    process compute in Python (bench/README.md), more than the pass itself.
+    process compute in Python (bench/task_overhead.py measures it), more than the pass itself.
     """
     patterns = bits(array)
     if patterns.shape[-1] == 0:

@@ -8,7 +8,7 @@ vLLM's engine core runs in a process of its own on a GPU and in this process on 
 `EngineOptions.engine_process` says otherwise. In its own process (vLLM's own `LLM` layout: scheduling, the
 model and layertap's pooler run there, while this process tokenises, builds requests and writes results)
 the engine loop does not compete with the caller's Python for one interpreter lock, which is what bounds a
-long run on a GPU host (bench/README.md); on a CPU both share the same few cores, and an in-process engine
+long run on a GPU host; on a CPU both share the same few cores, and an in-process engine
 starts sooner. Either way captured vectors reach this process through
 shared host buffers (`host_buffers`), not through vLLM's output messages.
 
