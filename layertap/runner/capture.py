@@ -69,9 +69,9 @@ class LayerTap:
         layers = decoder_layers(model)
         self.num_layers = len(layers)
         self.token = torch.zeros(1, device=next(model.parameters()).device)
-        self.calls = 0
         self.next_site = 0  # sites are numbered by the order of their calls within one forward
-        self.sites_per_forward: int | None = None  # counted at the end of the last forward that captured
+        # Calls counted at the end of the last forward that made any; None until one did.
+        self.sites_per_forward: int | None = None
         self.spec: CaptureSpec | None = None
         self.slot: dict[int, int] = {}
         self.buffer: torch.Tensor | None = None
@@ -127,7 +127,6 @@ class LayerTap:
         """Site 0 is the first call of a forward, site k the (k+1)-th: the blocks run in order."""
         site = self.next_site
         self.next_site += 1
-        self.calls += 1
         slot = self.slot.get(site)
         if slot is not None and self.spec is not None:
             reduced = self.reduce(hidden, residual)

@@ -371,7 +371,7 @@ def install_capture(worker, spec: CaptureSpec) -> int:
     if not isinstance(query_start_loc, torch.Tensor):
         raise EngineError("vLLM's model runner has no query_start_loc buffer; this vLLM is not supported")
     tap = getattr(model, "_layertap_tap", None)
-    if _compiled(worker) and (tap is None or tap.calls == 0):
+    if _compiled(worker) and (tap is None or tap.sites_per_forward is None):
         # Hooks added after torch.compile traced the model never run, and a compiled graph taken from a
         # cache written without them would silently skip capture.
         raise EngineError(
