@@ -831,7 +831,9 @@ def _cold_caches() -> None:
 def _compile_cache_state(mode: str) -> str:
     """"cold" when the compile cache this mode's engine reads holds nothing yet, else "warm" (layertap's
     engines keep theirs apart from vLLM's: `vllm_seam`)."""
-    default = Path.home() / ".cache" / ("layertap/vllm" if mode.startswith("layertap") else "vllm")
+    from layertap.runner.vllm_seam import compile_cache_root
+
+    default = compile_cache_root() if mode.startswith("layertap") else Path.home() / ".cache" / "vllm"
     root = Path(os.environ.get("VLLM_CACHE_ROOT") or default) / "torch_compile_cache"
     return "warm" if root.is_dir() and any(root.iterdir()) else "cold"
 

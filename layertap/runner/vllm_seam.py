@@ -40,6 +40,12 @@ SINK_KEY = "layertap_sink"
 CPU_KV_CACHE_BYTES = 2**30
 
 
+def compile_cache_root() -> str:
+    """Where layertap's engines keep vLLM's compile cache unless VLLM_CACHE_ROOT says otherwise: apart from
+    vLLM's own, since their compiled graphs include layertap's capture op."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "layertap", "vllm")
+
+
 # --- the installed vLLM ----------------------------------------------------------------------------
 
 def check_version(version: str) -> str:
@@ -154,8 +160,7 @@ def start_engine(options: EngineOptions, engine_process: bool, gpu_memory_utiliz
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
     if engine_process:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    # Compiled graphs include layertap's capture op: keep them apart from vLLM's own compile cache.
-    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(os.path.expanduser("~"), ".cache", "layertap", "vllm"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", compile_cache_root())
     _hook_model_loading()  # for a worker in this process; a worker elsewhere hooks it on importing this module
     from vllm import LLM
 
