@@ -72,6 +72,7 @@ class LayerTap:
         self.next_site = 0  # sites are numbered by the order of their calls within one forward
         # Calls counted at the end of the last forward that made any; None until one did.
         self.sites_per_forward: int | None = None
+        self.forwards = 0  # forwards of the whole model since the tap was attached
         self.spec: CaptureSpec | None = None
         self.slot: dict[int, int] = {}
         self.buffer: torch.Tensor | None = None
@@ -83,6 +84,7 @@ class LayerTap:
         def running(module, args):
             _running.tap = self
             self.next_site = 0
+            self.forwards += 1
 
         def finished(module, args, output):
             _running.tap = None  # another model run later in this thread must not write here

@@ -379,8 +379,10 @@ def install_capture(worker, spec: CaptureSpec) -> int:
     if _compiled(worker) and (tap is None or tap.sites_per_forward is None):
         # Hooks added after torch.compile traced the model never run, and a compiled graph taken from a
         # cache written without them would silently skip capture.
+        why = ("it was loaded without layertap's tap" if tap is None else
+               f"no forward since it was loaded called the capture op ({tap.forwards} forwards ran)")
         raise EngineError(
-            "the compiled model does not call layertap's capture hooks: start the engine through "
+            f"the compiled model does not call layertap's capture hooks ({why}): start the engine through "
             "VllmRunner (which taps the model while vLLM loads it), or with enforce_eager=True"
         )
     if tap is None:
