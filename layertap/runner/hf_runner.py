@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import mmap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,8 +28,9 @@ REFERENCE_SLACK_BYTES = 2 * 2**30
 # reference, and what vLLM holds beyond its share (on an H100 with a 7B model, leaving exactly the
 # reference's bytes left it 0.1 GB short).
 ENGINE_MARGIN_BYTES = 3 * 2**30
-# Tensors copied at once while loading: page faults and host-to-device copies overlap.
-LOAD_THREADS = 8
+# Tensors copied at once while loading: page faults and host-to-device copies overlap, and host memory
+# maps no more than these few tensors.
+LOAD_THREADS = 4
 
 
 # safetensors' dtype names.
@@ -57,9 +59,9 @@ def _read_weights_into(built, files: list[Path]) -> bool:
     """Copy every tensor of `files` into the parameter of the same name; False (and stop) at a name or type
     the model lacks, or when some parameter got no tensor (tied ones count as loaded with their twin).
 
-    Each file is mapped, not read: a tensor goes from the page cache (where the engine's own load left it)
-    straight into its parameter in one copy, several tensors at a time, so host memory never holds a copy
-    of the weights and a 7B model's reference loads in seconds."""
+    Each tensor is mapped from its file, copied into place and unmapped: it goes from the page cache (where
+    the engine's own load left it) to its parameter in one copy, a few tensors at a time, and host memory
+    never holds more than those few."""
     import torch
 
     params = dict(built.named_parameters())
@@ -69,19 +71,24 @@ def _read_weights_into(built, files: list[Path]) -> bool:
             header, base = safetensors_header(handle)
         if any(name not in params or entry["dtype"] not in _STORED for name, entry in header.items()):
             return False
-        mapped = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: writable for torch, never written
-        for name, entry in header.items():
-            start, end = entry["data_offsets"]
-            jobs.append((params[name], mapped[base + start:base + end], _STORED[entry["dtype"]], entry["shape"]))
+        jobs += [(path, params[name], base + entry["data_offsets"][0], base + entry["data_offsets"][1],
+                  getattr(torch, _STORED[entry["dtype"]]), entry["shape"]) for name, entry in header.items()]
 
     def copy(job) -> None:
-        param, raw, dtype, shape = job
-        with torch.no_grad():
-            param.copy_(torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape))
+        path, param, start, end, dtype, shape = job
+        if end == start:  # an empty tensor: nothing to map
+            return
+        aligned = start - start % mmap.ALLOCATIONGRANULARITY
+        with path.open("rb") as handle, mmap.mmap(handle.fileno(), end - aligned, offset=aligned,
+                                                  access=mmap.ACCESS_COPY) as mapped:
+            raw = np.frombuffer(mapped, np.uint8, end - start, start - aligned)
+            with torch.no_grad():
+                param.copy_(torch.from_numpy(raw).view(dtype).reshape(shape))
+            del raw  # no view may outlive the mapping
 
     with ThreadPoolExecutor(max_workers=LOAD_THREADS) as pool:
         list(pool.map(copy, jobs))
-    loaded = {id(param) for param, *_ in jobs}
+    loaded = {id(param) for _, param, *_ in jobs}
     return bool(files) and all(id(p) in loaded for p in params.values())
 
 
