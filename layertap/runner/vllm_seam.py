@@ -6,7 +6,7 @@ step's requests (`query_start_loc`, shared by attention and the pooling cursor),
 prefill (so a prompt split by chunked prefill yields its true last token), keeps per-request state across
 steps, and returns each output under its own request id. No LM head, no sampling.
 
-`CaptureWorker` is the worker extension: importing this module in a worker's process (the caller's, an
+`CaptureWorker` is the worker extension: vLLM looking it up by name in a worker's process (the caller's, an
 engine process, tensor-parallel ranks) hooks model loading, so the capture op's `LayerTap` is attached
 before torch.compile traces the model. The caller starts and drives the engine only through the functions
 here. At engine start `check_vllm` refuses, in one line, a vLLM outside the tested range or one whose
@@ -19,7 +19,6 @@ import functools
 import inspect
 import os
 import re
-import sys
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -324,8 +323,8 @@ EXTENSION = "layertap.runner.vllm_seam.CaptureWorker"
 
 def _hook_model_loading() -> None:
     """Give every model loaded for a layertap engine in this process a `LayerTap` before its first
-    forward, so torch.compile traces the hooks into the compiled graph. Runs when vLLM imports this module
-    in a worker's process to resolve `CaptureWorker`, and when `start_engine` starts an engine here."""
+    forward, so torch.compile traces the hooks into the compiled graph. Runs when vLLM looks up
+    `CaptureWorker` in a worker's process, and when `start_engine` starts an engine here."""
     try:
         from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     except ImportError:  # no vLLM: check_vllm says so when an engine is asked for
@@ -394,7 +393,7 @@ def install_capture(worker, spec: CaptureSpec) -> int:
     return size
 
 
-class CaptureWorker:
+class _CaptureWorker:
     """vLLM worker extension (`worker_extension_cls`): what the engine calls by name in its workers."""
 
     def layertap_install(self, layers: list[int], num_layers: int, hidden_size: int, pooling: str) -> int:
@@ -433,5 +432,11 @@ def _tap_of(worker) -> LayerTap:
     return tap
 
 
-if "vllm" in sys.modules:  # vLLM resolving `CaptureWorker` in a worker's process
-    _hook_model_loading()
+def __getattr__(name: str):
+    """`CaptureWorker`, looked up by name: vLLM resolves the worker extension this way in every worker's
+    process before it loads the model, so the lookup is where model loading gets hooked, whenever this
+    module was imported (a process started by spawning may import it early, before vLLM)."""
+    if name == "CaptureWorker":
+        _hook_model_loading()
+        return _CaptureWorker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

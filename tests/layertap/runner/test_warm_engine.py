@@ -86,13 +86,17 @@ def test_callers_attached_at_once_share_one_engine_and_get_their_own_rows(engine
 
 
 def test_other_engine_options_get_an_engine_of_their_own_which_frees_itself_when_idle(engine_dir, model_dirs):
-    before = len(starts(engine_dir))
+    """The other engine also runs vLLM's engine core in a process of its own, as a warm engine on a GPU
+    does: that process is started by spawning from the warm engine's, and its model must still be tapped."""
     shared = warm_engine.attach(options(model_dirs["llama"]), 600, engine_dir)
-    other = warm_engine.attach(options(model_dirs["llama"], max_num_seqs=8), 1.0, engine_dir)
+    before = len(starts(engine_dir))
+    other = warm_engine.attach(options(model_dirs["llama"], max_num_seqs=8, engine_process=True), 1.0, engine_dir)
     try:
         assert other.pid != shared.pid and len(starts(engine_dir)) == before + 1
         assert other.info["options"]["max_num_seqs"] == 8 and shared.info["options"]["max_num_seqs"] is None
+        assert other.info["engine_process"] and not shared.info["engine_process"]
         ours = other.extract(["idle soon"], [1], "last")
+        assert ours.vectors[1].shape == (1, 128) and np.isfinite(ours.vectors[1]).all()
         ours.release()
         assert wait_until(lambda: len(warm_engine.list_engines(engine_dir)) == 2, 10)
         time.sleep(2.0)
