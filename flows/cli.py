@@ -224,9 +224,16 @@ def preflight(settings):
 
 
 def run_flow(settings) -> dict:
-    """Run the embed flow in this process with fully resolved settings."""
+    """Run the embed flow in this process with fully resolved settings. A given model's engine starts first,
+    in the background, so it comes up while Prefect starts (its temporary server, when no API is set) and
+    the flow reads and plans; the flow then finds it started."""
     from flows.embed import embed_flow
 
+    if settings.model:
+        from flows.pipeline import run_settings
+        from layertap.runner import engine_cache
+
+        engine_cache.start_early(run_settings(settings, deployed=False))
     params = settings.model_dump()
     return embed_flow(**params, env_file=None)
 

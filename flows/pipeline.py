@@ -49,6 +49,17 @@ from tasks import (
 )
 from tasks.artifacts import ProgressArtifact, publish_counts
 
+def run_settings(settings: Settings, deployed: bool) -> Settings:
+    """The settings a run works with: its model folder and store path resolved, and a deployment run's
+    defaults (its engine kept warm for the next run, a wait for a store another run holds)."""
+    return settings.model_copy(update={
+        "model": resolve_model(settings), "store": str(settings.store_path()),
+        "warm_engine": deployed if settings.warm_engine is None else settings.warm_engine,
+        "lock_timeout": (DEPLOYMENT_LOCK_WAIT_S if deployed else 0.0) if settings.lock_timeout is None
+        else settings.lock_timeout,
+    })
+
+
 def resolve_model(settings: Settings) -> str:
     """The model folder to use; without one, the embedded tiny demo model (built once, then reused)."""
     if settings.model:
@@ -126,17 +137,11 @@ def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
     logger = get_run_logger()
     prepared = check_run(settings)  # nothing is written before inputs, model, layers and store check out
     engine_cache.check_executor(settings)  # with the ray executor: the cluster holds the engines asked for
-    store_dir = str(settings.store_path())
     if not settings.model:
         logger.info("no model given: using the tiny demo model in %s", settings.demo_model_dir())
-    # A deployment run keeps its engine warm for the next one, and waits its turn on a store another run holds.
     deployed = deployment.id is not None
-    settings = settings.model_copy(update={
-        "model": resolve_model(settings), "store": store_dir,
-        "warm_engine": deployed if settings.warm_engine is None else settings.warm_engine,
-        "lock_timeout": (DEPLOYMENT_LOCK_WAIT_S if deployed else 0.0) if settings.lock_timeout is None
-        else settings.lock_timeout,
-    })
+    settings = run_settings(settings, deployed)
+    store_dir = settings.store
     # One writing run per store; readers never wait on it. Deployment runs first take their store's turn in
     # Prefect (a concurrency limit per store), then its lock with what is left of the wait.
     turn = store_turn(store_dir, settings.lock_timeout, logger) if deployed else contextlib.nullcontext(
