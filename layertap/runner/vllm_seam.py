@@ -160,6 +160,10 @@ def start_engine(options: EngineOptions, engine_process: bool, gpu_memory_utiliz
     if engine_process:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("VLLM_CACHE_ROOT", compile_cache_root())
+    if vllm_is_cpu_build():
+        # The CPU build cannot load the ahead-of-time compiled model it saves ("'function' object has no
+        # attribute 'finalize_loading'") and compiles again on every start; its per-graph cache loads.
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     _hook_model_loading()  # for a worker in this process; a worker elsewhere hooks it on importing this module
     from vllm import LLM
 
