@@ -49,6 +49,7 @@ from tasks import (
 )
 from tasks.artifacts import ProgressArtifact, publish_counts
 
+
 def run_settings(settings: Settings, deployed: bool) -> Settings:
     """The settings a run works with: its model folder and store path resolved, and a deployment run's
     defaults (its engine kept warm for the next run, a wait for a store another run holds)."""

@@ -39,9 +39,9 @@ _STORED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float
 
 
 def _load_model(model: str, dtype, device: str, trust_remote_code: bool):
-    """The model built on `device` from its config, then its weights read tensor by tensor from the folder's
-    safetensors files into place: host memory holds one tensor at a time, never the whole model (a 7B
-    model's reference is built on the GPU beside a running engine). Folders in another format, or whose
+    """The model built on `device` from its config, then its weights copied into place from the folder's
+    safetensors files, a few tensors at a time: host memory never holds the whole model (a 7B model's
+    reference is built on the GPU beside a running engine). Folders in another format, or whose
     names do not match the model's own, load through `from_pretrained` instead."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
