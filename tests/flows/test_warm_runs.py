@@ -147,7 +147,8 @@ def test_a_warm_engine_that_dies_during_a_run_is_replaced_and_the_run_succeeds(
     tmp_path, tiny_model, shared_engine, monkeypatch
 ):
     """The engine kills itself at its second batch, the first batch of the second run: Prefect retries the
-    batch, the retry starts a fresh engine, and nothing is quarantined or stored twice."""
+    batch, the retry starts a fresh engine, and nothing is quarantined or stored twice. The engines run
+    eagerly: compiling adds seconds to both starts and nothing to what is checked here."""
     import tempfile
 
     from flows.embed import embed_flow
@@ -156,7 +157,7 @@ def test_a_warm_engine_that_dies_during_a_run_is_replaced_and_the_run_succeeds(
     monkeypatch.setenv("LAYERTAP_FAULTS", "runner-process.extract:kill@2")  # engines started from here on
     store, files = tmp_path / "store", [write_csv(tmp_path / f"rows{i}.csv", rows) for i, rows in enumerate(BATCHES)]
     run = dict(model=tiny_model, layers="0,-1", store=str(store), parity_sample=0, warm_engine=True,
-               engine_dir=engines, env_file=None)
+               engine_dir=engines, enforce_eager=True, env_file=None)
     try:
         first = embed_flow(input=files[:1], **run)
         assert first["embedded"] == 30
