@@ -164,7 +164,6 @@ def start_engine(options: EngineOptions, engine_process: bool, gpu_memory_utiliz
         # The CPU build cannot load the ahead-of-time compiled model it saves ("'function' object has no
         # attribute 'finalize_loading'") and compiles again on every start; its per-graph cache loads.
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-    _hook_model_loading()  # for a worker in this process; a worker elsewhere hooks it on importing this module
     from vllm import LLM
 
     cpu = on_cpu()
@@ -328,7 +327,7 @@ EXTENSION = "layertap.runner.vllm_seam.CaptureWorker"
 def _hook_model_loading() -> None:
     """Give every model loaded for a layertap engine in this process a `LayerTap` before its first
     forward, so torch.compile traces the hooks into the compiled graph. Runs when vLLM looks up
-    `CaptureWorker` in a worker's process, and when `start_engine` starts an engine here."""
+    `CaptureWorker` in a worker's process, this one included for an engine started in it."""
     try:
         from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     except ImportError:  # no vLLM: check_vllm says so when an engine is asked for
