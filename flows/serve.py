@@ -2,7 +2,8 @@
 
 prefect.yaml stays the one place that says which deployments exist, with which triggers and schedules;
 this reads it and hands the same definitions to a Prefect `Runner`, as `prefect.serve` does, with
-flows/run_wake.py starting each triggered run as soon as the server has created it.
+flows/run_wake.py starting each triggered run as soon as the server has created it, in a process forked
+ready-imported (flows/run_launcher.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prefect.flows import load_flow_from_entrypoint
 from prefect.runner import Runner
 from prefect.schedules import Cron
 
+from flows.run_launcher import preload_modules, start_runs_forked
 from flows.run_wake import start_runs_when_scheduled
 
 _KEYS = ("description", "tags", "parameters", "concurrency_limit")
@@ -59,6 +61,7 @@ def serve_from_prefect_file(prefect_file: str | Path) -> None:
     poll = os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY")
     runner = Runner(pause_on_shutdown=True, query_seconds=float(poll) if poll else POLL_SECONDS)
     deployment_ids = [runner.add_deployment(d) for d in deployments_from_prefect_file(prefect_file)]
+    start_runs_forked(preload_modules())  # with the flows loaded: the fork server imports what they did
     try:
         asyncio.run(_serve(runner, deployment_ids))
     except (KeyboardInterrupt, TerminationSignal):
