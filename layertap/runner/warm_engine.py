@@ -11,8 +11,11 @@ Each engine has a key, the hash of what it must agree with (model fingerprint, v
 visible devices, engine options), and four files in the engine directory (`LAYERTAP_ENGINE_DIR`, default
 `~/.cache/layertap/engines/<host>`): `<key>.sock` (where it listens, only once its engine is up), `<key>.json`
 (what it is, whom it serves, the memory it holds; rewritten every few seconds), `<key>.log` (its output)
-and `<key>.lock` (taken by a run while it attaches or starts one, so two runs never start the same engine
-twice). `engine-starts.log` gets a line per engine started. The engine exits after `idle_timeout` seconds
+`<key>.lock` (taken by a run while it attaches or starts one) and `<key>.engine` (locked by the run that
+starts the engine before the engine's process exists, then held by that process for its whole life). A run
+that finds no socket but a held `<key>.engine` waits for that engine, which a run killed while starting it
+left starting, instead of starting a second one. So one key never has two engines. `engine-starts.log` gets a line per
+engine started. The engine exits after `idle_timeout` seconds
 with no run attached, on SIGTERM (`stop`), or when the engine fails. Connections are authenticated with a
 key only the user can read (`authkey`).
 """
@@ -154,6 +157,9 @@ def attach(options: EngineOptions, idle_timeout: float, directory: str | os.Path
     with _locked(directory / f"{key}.lock"):
         for _ in range(2):  # an engine that stopped just as this run arrived is started again, once
             conn = _connect(directory, key)
+            if conn is None and engine_running(directory, key):
+                _wait_until_listening(directory, key)  # one that a run which went away was starting
+                conn = _connect(directory, key)
             if conn is None:
                 if not vllm_is_cpu_build():
                     stop_engines(directory, idle_only=True, keep=key)
@@ -249,6 +255,44 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def lock_engine(directory: Path, key: str) -> int:
+    """Lock `<key>.engine` for an engine about to start; an `EngineError` if an engine of the key holds it.
+    The lock lasts while any process holds the returned descriptor (the engine's process inherits it)."""
+    fd = os.open(directory / f"{key}.engine", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise EngineError(f"another warm engine {key} is already running in {directory}") from None
+    return fd
+
+
+def engine_running(directory: Path, key: str) -> bool:
+    """Whether a process holds `<key>.engine`: an engine of the key, up or still starting."""
+    try:
+        fd = os.open(directory / f"{key}.engine", os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _wait_until_listening(directory: Path, key: str) -> None:
+    """Wait for an engine some other run started until it listens, or until it is gone."""
+    log.info("waiting for the warm engine %s, which another run started", key)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (directory / f"{key}.sock").exists() and engine_running(directory, key):
+        if time.monotonic() > deadline:
+            raise EngineError(f"the warm engine {key} has been starting for over {START_TIMEOUT_S:.0f} s "
+                              f"(see {directory / f'{key}.log'})")
+        time.sleep(0.05)
+
+
 def authkey(directory: Path) -> bytes:
     path = directory / "authkey"
     with contextlib.suppress(FileExistsError):
@@ -282,11 +326,16 @@ def _start(directory: Path, key: str, spec: WarmSpec, idle_timeout: float) -> No
     forget_engine(directory, key)
     (directory / f"{key}.spec").write_text(json.dumps({**spec.as_json(), "idle_timeout": idle_timeout}))
     log_path = directory / f"{key}.log"
-    with log_path.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", ENGINE_MODULE, str(directory), key],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-        )
+    engine_lock = lock_engine(directory, key)  # held from before the process exists, whatever befalls this run
+    try:
+        with log_path.open("wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", ENGINE_MODULE, str(directory), key, str(engine_lock)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                close_fds=True, pass_fds=(engine_lock,),
+            )
+    finally:
+        os.close(engine_lock)  # the engine's process holds it now
     log.info("starting a warm engine %s for %s (pid %d)", key, spec.options.model, process.pid)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not (directory / f"{key}.sock").exists():

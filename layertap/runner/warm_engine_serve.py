@@ -38,8 +38,9 @@ class _Served:
         return 0.0 if self.clients else time.time() - self.last_used
 
 
-def serve(directory: Path, key: str) -> int:
-    """The engine process: start the runner, listen, answer runs until idle, stopped or broken."""
+def serve(directory: Path, key: str, engine_lock: int) -> int:
+    """The engine process: start the runner, listen, answer runs until idle, stopped or broken. It holds
+    `engine_lock` (`<key>.engine`, locked by the run that started it) until it has stopped listening."""
     from concurrent.futures import ThreadPoolExecutor
 
     from layertap.runner.runner_service import answer_calls, engine_info
@@ -117,6 +118,7 @@ def serve(directory: Path, key: str) -> int:
             listener.close()  # it would remove the socket under the name it was made with
         runner.close()
         workers.shutdown(wait=False, cancel_futures=True)
+        os.close(engine_lock)
     return 0
 
 
@@ -140,9 +142,9 @@ def _write_status(directory: Path, key: str, identity: dict, served: _Served) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    directory, key = argv if argv is not None else sys.argv[1:]
+    directory, key, engine_lock = argv if argv is not None else sys.argv[1:]
     try:
-        return serve(Path(directory), key)
+        return serve(Path(directory), key, int(engine_lock))
     except BaseException as exc:  # noqa: BLE001 - the run that started it reads this line
         print(f"layertap-engine: error: {' '.join(str(exc).split()) or type(exc).__name__}", flush=True)
         return 1

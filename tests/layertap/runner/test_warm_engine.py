@@ -3,6 +3,7 @@ replaced when it dies, gone after its idle timeout."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -125,6 +127,35 @@ def test_an_engine_killed_between_or_during_runs_is_replaced_on_the_next_attach(
         ours.release()
     finally:
         fresh.close()
+
+
+def test_a_run_killed_while_its_engine_starts_leaves_it_starting_for_the_next_run(model_dirs):
+    """The engine a run started keeps starting when that run is killed; the next run waits for it instead of
+    starting a second engine of the same key beside it (which would be left holding memory, unreachable)."""
+    directory = tempfile.mkdtemp(prefix="lt-engines-", dir="/tmp")
+    wanted = options(model_dirs["llama"], enforce_eager=True)
+    key = warm_engine.WarmSpec.for_options(wanted).key()
+    starter = subprocess.Popen(
+        [sys.executable, "-c", "import dataclasses, json, sys; from layertap.runner import warm_engine; "
+         "from layertap.runner.engine_options import EngineOptions; "
+         "warm_engine.attach(EngineOptions(**json.loads(sys.argv[1])), 600, sys.argv[2])",
+         json.dumps(dataclasses.asdict(wanted)), directory])
+    try:
+        assert wait_until(lambda: warm_engine.engine_running(Path(directory), key), 60)
+        starter.kill()
+        starter.wait()
+        assert not os.path.exists(os.path.join(directory, f"{key}.sock")), "the engine was up before the kill"
+        attached = warm_engine.attach(wanted, 600, directory)
+        try:
+            assert [s["pid"] for s in starts(directory)] == [attached.pid]  # the killed run's engine, the only one
+            ours = attached.extract(["after the starter died"], [4], "last")
+            assert ours.kept == [0]
+            ours.release()
+        finally:
+            attached.close()
+    finally:
+        warm_engine.stop_engines(directory)
+    assert not warm_engine.engine_running(Path(directory), key)
 
 
 def test_an_engine_that_serves_something_else_is_refused(engine_dir, model_dirs):
