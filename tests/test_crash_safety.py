@@ -5,9 +5,10 @@ The killed processes run the Prefect flow as users do, `layertap run` (the embed
 tiny model with the real vLLM engine. They report to the suite's Prefect test server: a temporary local API
 of their own would cost every child a server start, and the store's safety does not depend on which server
 records the runs. Each rerun is itself killed at the next point, so the run gets further every time; points
-are ordered along the run, so the first eight cost no engine start. Every child gets the same private Prefect
-home. The engines run eagerly: compiling the model adds seconds to each of the thirteen engine starts and
-nothing to what is checked here.
+are ordered along the run, so the first eight need no engine. Every child gets the same private Prefect
+home. The runs attach to one warm engine, as deployment runs do: the first run that extracts starts it in a
+process of its own, which outlives each killed run (and hands back what a dead run held), so twelve runs
+do not each start vLLM. It runs eagerly: compiling adds seconds and nothing to what is checked here.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import duckdb
 
+from layertap.runner import warm_engine
 from layertap.store.normalise import NormaliseRules, prompt_hash
 from layertap.store.registry import read_status
 
@@ -69,19 +72,21 @@ def write_inputs(folder: Path) -> list[str]:
     return [str(folder / "a.csv"), str(folder / "b.jsonl")]
 
 
-def run_flow(inputs, store, model, folder: Path, kill: str | None, api: str) -> subprocess.CompletedProcess:
-    """`layertap run` in a child process with a session of its own, reporting to the Prefect API at `api`;
-    what is left of that session when the child ends (an engine process of a killed run) is killed too.
-    Output goes to files: a process the killed run left behind would hold pipes open."""
+def run_flow(inputs, store, model, folder: Path, engines: str, kill: str | None, api: str) -> subprocess.CompletedProcess:
+    """`layertap run` in a child process with a session of its own, reporting to the Prefect API at `api`
+    and attached to the warm engine in `engines`; what is left of that session when the child ends is killed
+    too (the warm engine has a session of its own). Output goes to files: a process the killed run left
+    behind would hold pipes open."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LAYERTAP_", "PREFECT_"))}
     env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(folder / "prefect"), PREFECT_API_URL=api,
-               VLLM_LOGGING_LEVEL="WARNING", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+               VLLM_LOGGING_LEVEL="WARNING", PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               LAYERTAP_ENGINE_DIR=engines)
     if kill:
         env["LAYERTAP_FAULTS"] = kill
     command = [sys.executable, "-m", "flows.cli", "run", "--input", *inputs, "--store", str(store),
                "--model", model, "--layers", ",".join(map(str, LAYERS)), "--batch-size", "100",
-               "--max-model-len", "256", "--max-num-batched-tokens", "2048", "--enforce-eager", "--env-file", "",
-               "--json"]
+               "--max-model-len", "256", "--max-num-batched-tokens", "2048", "--enforce-eager", "--warm-engine",
+               "--env-file", "", "--json"]
     with open(folder / "stdout", "w+") as stdout, open(folder / "stderr", "w+") as stderr:
         child = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
                                  stderr=stderr, start_new_session=True)
@@ -107,15 +112,21 @@ def test_sigkill_at_twenty_points_loses_nothing(tmp_path, tiny_model, prefect_ha
     assert len({point for point, _ in KILLS}) == 20
     inputs = write_inputs(tmp_path)
     store = tmp_path / "store"
+    engines = tempfile.mkdtemp(prefix="lt-crash-")  # short: the engine's socket lives there
     took = []
-    for point, n in KILLS:
-        started = time.monotonic()
-        out = run_flow(inputs, store, tiny_model, tmp_path, f"{point}:kill@{n}", api)
-        took.append(f"{point}@{n} {time.monotonic() - started:.0f}s")
-        assert out.returncode == -signal.SIGKILL, f"not killed at {point}@{n}: {out.stderr[-3000:]}"
-    final = run_flow(inputs, store, tiny_model, tmp_path, None, api)
-    assert final.returncode == 0, final.stderr[-3000:]
-    print("runs:", ", ".join(took))
+    try:
+        for point, n in KILLS:
+            started = time.monotonic()
+            out = run_flow(inputs, store, tiny_model, tmp_path, engines, f"{point}:kill@{n}", api)
+            took.append(f"{point}@{n} {time.monotonic() - started:.0f}s")
+            assert out.returncode == -signal.SIGKILL, f"not killed at {point}@{n}: {out.stderr[-3000:]}"
+        final = run_flow(inputs, store, tiny_model, tmp_path, engines, None, api)
+        assert final.returncode == 0, final.stderr[-3000:]
+        print("runs:", ", ".join(took))
+        with open(os.path.join(engines, warm_engine.STARTS_LOG)) as starts:
+            assert len(starts.readlines()) == 1  # one engine served every run
+    finally:
+        warm_engine.stop_engines(engines)
 
     # What the store must hold, worked out independently of it.
     rules = NormaliseRules()
