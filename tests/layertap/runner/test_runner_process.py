@@ -85,7 +85,7 @@ def test_out_of_memory_in_the_child_reaches_the_caller_as_such_and_the_batch_is_
 
 
 def test_closing_stops_the_child_and_removes_its_buffers(model_dirs):
-    runner = start(model_dirs["llama"])
+    runner = start(model_dirs["llama"], enforce_eager=True)  # a lifecycle: compiling adds only seconds
     held = runner.extract(varied_prompts(10, seed=65), [0], "last")
     directory = os.path.dirname(held.buffer)
     assert os.path.isdir(directory)
@@ -98,10 +98,11 @@ def test_closing_stops_the_child_and_removes_its_buffers(model_dirs):
 
 
 def test_a_child_that_dies_fails_its_waiting_callers_takes_its_engine_core_along_and_is_unhealthy(model_dirs):
-    """The child's engine core in a process of its own (as on a GPU): killing the child leaves no core behind."""
+    """The child's engine core in a process of its own (as on a GPU): killing the child leaves no core behind.
+    Eager, like every lifecycle test: compiling adds seconds to the start and nothing to what is checked."""
     import psutil
 
-    runner = start(model_dirs["llama"], engine_process=True)
+    runner = start(model_dirs["llama"], engine_process=True, enforce_eager=True)
     try:
         started = psutil.Process(runner.pid).children(recursive=True)  # the engine core and vLLM's helpers
         assert any("EngineCore" in process.name() for process in started), [p.name() for p in started]
