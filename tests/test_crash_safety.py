@@ -6,8 +6,8 @@ tiny model with the real vLLM engine. They report to the suite's Prefect test se
 of their own would cost every child a server start, and the store's safety does not depend on which server
 records the runs. Each rerun is itself killed at the next point, so the run gets further every time; points
 are ordered along the run, so the first eight need no engine. Every child gets the same private Prefect
-home. The runs attach to one warm engine, as deployment runs do: the first run that extracts starts it in a
-process of its own, which outlives each killed run (and hands back what a dead run held), so twelve runs
+home. The runs attach to one warm engine, as deployment runs do: the first run with rows to embed starts it
+in a process of its own, which outlives each killed run (and hands back what a dead run held), so the runs
 do not each start vLLM. It runs eagerly: compiling adds seconds and nothing to what is checked here.
 """
 

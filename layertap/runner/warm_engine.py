@@ -8,16 +8,16 @@ options, and use it as a `RunnerProcess`; several runs may be attached at once, 
 buffers.
 
 Each engine has a key, the hash of what it must agree with (model fingerprint, vLLM version, layertap's code,
-visible devices, engine options), and four files in the engine directory (`LAYERTAP_ENGINE_DIR`, default
+visible devices, engine options), and files in the engine directory (`LAYERTAP_ENGINE_DIR`, default
 `~/.cache/layertap/engines/<host>`): `<key>.sock` (where it listens, only once its engine is up), `<key>.json`
-(what it is, whom it serves, the memory it holds; rewritten every few seconds), `<key>.log` (its output)
+(what it is, whom it serves, the memory it holds; rewritten every few seconds), `<key>.log` (its output),
 `<key>.lock` (taken by a run while it attaches or starts one) and `<key>.engine` (locked by the run that
 starts the engine before the engine's process exists, then held by that process for its whole life). A run
 that finds no socket but a held `<key>.engine` waits for that engine, which a run killed while starting it
-left starting, instead of starting a second one. So one key never has two engines. `engine-starts.log` gets a line per
-engine started. The engine exits after `idle_timeout` seconds
-with no run attached, on SIGTERM (`stop`), or when the engine fails. Connections are authenticated with a
-key only the user can read (`authkey`).
+left starting, instead of starting a second one: one key never has two engines. `engine-starts.log` gets a
+line per engine started. The engine exits after `idle_timeout` seconds with no run attached, on SIGTERM
+(`stop`), or when the engine fails. Connections are authenticated with a key only the user can read
+(`authkey`).
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def test_a_run_killed_while_its_engine_starts_leaves_it_starting_for_the_next_ru
     wanted = options(model_dirs["llama"], enforce_eager=True)
     key = warm_engine.WarmSpec.for_options(wanted).key()
     starter = subprocess.Popen(
-        [sys.executable, "-c", "import dataclasses, json, sys; from layertap.runner import warm_engine; "
+        [sys.executable, "-c", "import json, sys; from layertap.runner import warm_engine; "
          "from layertap.runner.engine_options import EngineOptions; "
          "warm_engine.attach(EngineOptions(**json.loads(sys.argv[1])), 600, sys.argv[2])",
          json.dumps(dataclasses.asdict(wanted)), directory])
