@@ -26,9 +26,11 @@ BATCHES = [
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A Prefect server and `layertap serve` serving prefect.yaml's deployments against it."""
+    """A Prefect server and `layertap serve` serving prefect.yaml's deployments against it. Its engines run
+    eagerly: these tests check who starts an engine and what runs store, which compiling only slows down."""
     home = tmp_path_factory.mktemp("warm-prefect-home")
     srv = Server(home)
+    srv.env["LAYERTAP_ENFORCE_EAGER"] = "true"
     srv.start("server", PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(srv.port))
     try:
         srv.wait_healthy()
@@ -137,7 +139,8 @@ def test_triggered_runs_share_a_warm_engine(served, tmp_path, tiny_model, shared
                                                          calls.append("ingest done"))[1])
     extra = write_csv(tmp_path / "extra.csv", ["One more row for an early engine."])
     early = embed_flow(input=files + [extra], model=tiny_model, layers="0,2,-1", store=str(store), parity_sample=0,
-                       warm_engine=True, engine_dir=served.env["LAYERTAP_ENGINE_DIR"], env_file=None)
+                       warm_engine=True, enforce_eager=True, engine_dir=served.env["LAYERTAP_ENGINE_DIR"],
+                       env_file=None)
     assert early["embedded"] == 1 and starts(served) == 2
     assert calls.index("engine") < calls.index("ingest done"), calls
 
