@@ -72,7 +72,8 @@ def write_inputs(folder: Path) -> list[str]:
     return [str(folder / "a.csv"), str(folder / "b.jsonl")]
 
 
-def run_flow(inputs, store, model, folder: Path, engines: str, kill: str | None, api: str) -> subprocess.CompletedProcess:
+def run_flow(inputs, store, model, folder: Path, engines: str, kill: str | None,
+             api: str) -> subprocess.CompletedProcess:
     """`layertap run` in a child process with a session of its own, reporting to the Prefect API at `api`
     and attached to the warm engine in `engines`; what is left of that session when the child ends is killed
     too (the warm engine has a session of its own). Output goes to files: a process the killed run left
