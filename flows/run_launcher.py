@@ -61,8 +61,8 @@ def start_runs_forked(preload: list[str]) -> bool:
     except ImportError:
         return _unchanged("this Prefect has no direct-subprocess starter")
     original = getattr(starter, "run_flow_in_subprocess", None)
-    if original is not getattr(engine, "run_flow_in_subprocess", None) or _SPAWN_CALL not in inspect.getsource(
-            original):
+    known = original is not None and original is getattr(engine, "run_flow_in_subprocess", None)
+    if not known or _SPAWN_CALL not in inspect.getsource(original):
         return _unchanged("this Prefect's run_flow_in_subprocess is not the spawning one layertap knows")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(preload)
