@@ -145,7 +145,7 @@ def test_run_then_rerun(shared_engine, tiny_model, tmp_path, capsys):
     # The command starts the engine before Prefect, and the flow computes on that one: no engine started
     # by the command sits unused.
     for thread in threading.enumerate():
-        if thread.name == "layertap-engine-start":
+        if thread.name == engine_cache.START_THREAD:
             thread.join(300)
     assert all(runner.activity().steps > 0 for key, runner in engine_cache._runners.items() if key not in before)
     assert (summary["rows"], summary["embedded"], summary["duplicates"], summary["rejected"]) == (5, 3, 1, 1)

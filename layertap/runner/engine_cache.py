@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from layertap.settings import Settings
 
 log = logging.getLogger(__name__)
+START_THREAD = "layertap-engine-start"  # the thread `start_early` starts an engine on
 _lock = threading.RLock()
 _runners: dict[tuple, Any] = {}
 _start_locks: dict[tuple, threading.Lock] = {}
@@ -139,7 +140,7 @@ def start_early(settings: Settings) -> threading.Thread:
                 if _closings == closings:
                     _early_failures[runner_key(settings)] = exc
 
-    thread = threading.Thread(target=start, name="layertap-engine-start", daemon=True)
+    thread = threading.Thread(target=start, name=START_THREAD, daemon=True)
     thread.start()
     return thread
 
