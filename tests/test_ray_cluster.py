@@ -132,7 +132,8 @@ def test_an_existing_cluster_by_address(cluster, tiny_model, tmp_path):
     store = tmp_path / "store"
     source = write_csv(tmp_path / "in.csv", TEXTS)
     args = ["--input", source, "--model", tiny_model, "--store", str(store), "--layers", "0,-1",
-            "--batch-size", "32", "--parity-sample", "2", "--runner-process", "--enforce-eager", "--executor", "ray", "--engines", "1"]
+            "--batch-size", "32", "--parity-sample", "2", "--runner-process", "--enforce-eager", "--executor", "ray",
+            "--engines", "1"]
 
     # Killed mid-run (the flow's process SIGKILLs itself once its second batch is published, while its engine
     # works on the third): its engine goes with it, while the cluster stays up.
