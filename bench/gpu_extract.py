@@ -39,7 +39,7 @@ MODES = ["hf_loop", "hf_batched", "vllm_plain", "layertap", "layertap_runner", "
 DIAGNOSTIC_MODES = ["layertap_runner_writing", "layertap_runner_in_flow", "layertap_runner_in_process",
                     "layertap_in_process", "vllm_pooling_eager", "vllm_pooling_compiled",
                     "vllm_pooling_inprocess_async", "vllm_plain_v1_runner", "vllm_pooling_v2_runner",
-                    "vllm_plain_profiled", "layertap_runner_profiled"]
+                    "vllm_plain_profiled", "layertap_runner_profiled", "layertap_variants"]
 BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "1024"))
 IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "4"))
 # Every vLLM-based mode runs its workload this many times on one engine and reports the last pass: the
@@ -53,8 +53,10 @@ PASSES = int(os.environ.get("BENCH_PASSES", "2"))
 LOAD_FORMAT = os.environ.get("BENCH_LOAD_FORMAT", "dummy")
 # The flow's parity sample: the product's default (8) where the model has weights to compare against.
 PARITY_SAMPLE = int(os.environ.get("BENCH_PARITY_SAMPLE", "0" if LOAD_FORMAT == "dummy" else "8"))
+# How often the flow's engine counters are sampled (seconds); below 0.5 the samples carry CPU seconds too.
+TIMELINE_EVERY = float(os.environ.get("BENCH_TIMELINE_EVERY", "0.5"))
 # Modes that start one engine and run every workload on it, one after another (start-up is paid once).
-SESSION_MODES = ("vllm_plain", "layertap_runner", "layertap", "layertap_float16")
+SESSION_MODES = ("vllm_plain", "layertap_runner", "layertap", "layertap_float16", "layertap_variants")
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                  intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be has or had "
@@ -288,6 +290,7 @@ class RssSampler:
         self.timeline: list[dict[str, float]] = []
         # The whole process tree (`_tree_pss_gib`), sampled less often: reading smaps is dearer.
         self.tree_peak: dict[str, float] = {}
+        self.tree_timeline: list[dict[str, float]] = []
 
     def __enter__(self):
         import threading
@@ -307,6 +310,7 @@ class RssSampler:
                 tree = _tree_pss_gib()
                 if tree["total"] > self.tree_peak.get("total", 0.0):
                     self.tree_peak = tree
+                self.tree_timeline.append({"s": round(at, 1), **tree})
                 tree_noted = at
             now = _memory_gib()
             if now.get("rss", 0.0) > self.peak:
@@ -360,15 +364,18 @@ def _activity_between(before, after) -> dict:
 
 class ActivityTimeline:
     """The runner's engine counters every `every` seconds while a block runs: when the engine waited for
-    work (the run's start, its end, or batches held back between)."""
+    work (the run's start, its end, or batches held back between). Sampled finely (`BENCH_TIMELINE_EVERY`
+    below 0.5 s), each sample also carries the CPU seconds of every process under this one (`cpu`), and
+    `long_steps` finds the stretches where the engine neither finished a step nor waited for work."""
 
     def __init__(self, runner, every: float = 0.5):
-        self.runner, self.every, self.samples = runner, every, []
+        self.runner, self.every, self.samples, self.cpu = runner, every, [], []
 
     def __enter__(self):
         import threading
 
         self._stop, self._started = threading.Event(), time.perf_counter()
+        self.started_epoch = time.time()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -376,10 +383,26 @@ class ActivityTimeline:
     def _run(self):
         while True:
             now = self.runner.activity()
-            self.samples.append([round(time.perf_counter() - self._started, 2), now.steps,
-                                 round(now.stepping_s, 3), round(now.idle_s, 3)])
+            at = round(time.perf_counter() - self._started, 2)
+            self.samples.append([at, now.steps, round(now.stepping_s, 3), round(now.idle_s, 3)])
+            if self.every < 0.5:
+                self.cpu.append({"s": at, **{name: round(v, 2) for name, v in _cpu_seconds().items()}})
             if self._stop.wait(self.every):
                 return
+
+    def long_steps(self, at_least: float = 0.3) -> list[list[float]]:
+        """[start s, seconds] of each stretch of at least `at_least` s in which no step finished and the
+        engine did not wait for work: one step that took that long (or the engine thread held up)."""
+        found, since = [], None
+        for before, after in zip(self.samples, self.samples[1:]):
+            stuck = after[1] == before[1] and after[3] - before[3] < 0.5 * (after[0] - before[0])
+            if stuck and since is None:
+                since = before[0]
+            elif not stuck and since is not None:
+                if before[0] - since >= at_least:
+                    found.append([since, round(before[0] - since, 2)])
+                since = None
+        return found
 
     def __exit__(self, *exc):
         self._stop.set()
@@ -484,7 +507,8 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
                "part_file_mb": load_settings(env_file=None).part_file_mb,
                "engine_process": runner.engine_process, "runner_process": getattr(runner, "runner_process", False)}
 
-    def measure(prompt_sets: list[list[str]]) -> dict:
+    def measure(prompt_sets: list[list[str]], **overrides) -> dict:
+        settings = {**common, **overrides}
         data = []
         for k, prompts in enumerate(prompt_sets):
             data.append(work / f"prompts-{k}.csv")
@@ -493,16 +517,17 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
         first_pass = None
         for extra in range(len(prompt_sets) - 1):  # earlier passes go to stores of their own: nothing is skipped
             start = time.perf_counter()
-            embed_flow(input=[str(data[extra])], store=str(work / f"store-pass{extra}"), **common)
+            embed_flow(input=[str(data[extra])], store=str(work / f"store-pass{extra}"), **settings)
             first_pass = first_pass or time.perf_counter() - start
             shutil.rmtree(work / f"store-pass{extra}", ignore_errors=True)
         memory_before = _memory_gib()
         activity = runner.activity()
         cpu_before = _cpu_seconds()
         store = work / "store"
-        with RssSampler() as rss, PhaseTimes() as phases, ActivityTimeline(runner) as timeline, GpuBusy() as gpu:
+        with RssSampler() as rss, PhaseTimes() as phases, ActivityTimeline(runner, TIMELINE_EVERY) as timeline, \
+                GpuBusy() as gpu:
             start = time.perf_counter()
-            summary = embed_flow(input=[str(data[-1])], store=str(store), **common)
+            summary = embed_flow(input=[str(data[-1])], store=str(store), **settings)
             flow_call = time.perf_counter() - start  # the flow's own seconds plus Prefect's start and exit
         cpu = _cpu_used(cpu_before, _cpu_seconds(), flow_call)
         engine = runner.activity()
@@ -528,6 +553,9 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
                 "engine_thread": {**_activity_between(activity, engine), "extract_phase_s": summary["extract_seconds"]},
                 "cpu_during_flow_call": cpu, "gpu_utilisation_during_flow_call_pct": gpu.mean,
                 "engine_timeline_t_steps_stepping_idle": timeline.samples,
+                "engine_timeline_started_epoch_s": timeline.started_epoch,
+                "engine_timeline_cpu_s": timeline.cpu, "gpu_busy_pct_timeline": gpu.samples,
+                "long_steps": timeline.long_steps(),
                 "summary_engine_s": {k: summary.get(k) for k in ("engine_busy_seconds", "engine_idle_seconds")},
                 "flow_step_seconds_on_flow_thread": phases.flow_steps,
                 "host_buffers_allocated": runner.host_buffers_allocated,
@@ -535,6 +563,7 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
                 "memory_before_run_gib": memory_before, "memory_at_peak_during_run_gib": rss.at_peak,
                 "memory_timeline_gib": rss.timeline,
                 "peak_pss_of_process_tree_during_run_gib": rss.tree_peak,
+                "tree_pss_timeline_gib": rss.tree_timeline,
                 "peak_rss_reading_last_layer_back_gib": read_rss.peak,
                 "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -550,6 +579,27 @@ def run_layertap(model_dir: str, prompt_sets: list[list[str]], engine_process: b
 def session_layertap_float16(model_dir: str):
     """The flow storing float16 (`--store-dtype float16`): half the bytes to encode and write."""
     return session_layertap(model_dir, store_dtype="float16")
+
+
+def session_layertap_variants(model_dir: str):
+    """The flow on one engine, once per variant in `BENCH_VARIANTS` (a JSON list of settings to change, each
+    with a "name"; default: as is, without the parity sample, with 3 and 2 batches in flight): what each
+    setting costs in speed and memory, measured on one machine and one engine."""
+    variants = json.loads(os.environ.get("BENCH_VARIANTS") or json.dumps(
+        [{"name": "default"}, {"name": "no-parity", "parity_sample": 0}, {"name": "in-flight-3", "batches_in_flight": 3},
+         {"name": "in-flight-2", "batches_in_flight": 2}]))
+    started, measure = session_layertap(model_dir)
+
+    def measure_variants(prompt_sets: list[list[str]]) -> dict:
+        results = {}
+        for variant in variants:
+            overrides = {k: v for k, v in variant.items() if k != "name"}
+            results[variant["name"]] = {"settings": overrides, **measure(prompt_sets, **overrides)}
+            print(variant["name"], round(results[variant["name"]]["seconds"], 2), "s", flush=True)
+        first = next(iter(results.values()))
+        return {"seconds": first["seconds"], "variants": results}
+
+    return started, measure_variants
 
 
 def _extract_and_release(runner, prompts: list[str], layers: list[int]) -> int:
@@ -991,9 +1041,14 @@ def main() -> None:
             started = time.perf_counter()
             # Its own process group, so a mode that runs out of time takes its engine processes with it
             # (an engine left behind would hold the GPU's memory and fail every later mode).
+            env = dict(os.environ)
+            if env.get("BENCH_GC_TRACE"):  # every process of the mode logs its long garbage-collector passes
+                Path(env["BENCH_GC_TRACE"]).mkdir(parents=True, exist_ok=True)
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent / "gc_trace"),
+                                                                  env.get("PYTHONPATH")]))
             proc = subprocess.Popen(
                 [sys.executable, __file__, "--worker", mode, ",".join(group), model_dir, str(result_file)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
             try:
                 stdout, stderr = proc.communicate(timeout=args.mode_timeout)
             except subprocess.TimeoutExpired:
