@@ -583,18 +583,24 @@ def session_layertap_float16(model_dir: str):
 
 def session_layertap_variants(model_dir: str):
     """The flow on one engine, once per variant in `BENCH_VARIANTS` (a JSON list of settings to change, each
-    with a "name"; default: as is, without the parity sample, with 3 and 2 batches in flight): what each
-    setting costs in speed and memory, measured on one machine and one engine."""
+    with a "name", and "encoder_threads" for the flow's Parquet encoders; default: as is, without the parity
+    sample, with 3 batches in flight, with 8 encoders, and as is again): what each costs in speed and memory,
+    measured on one machine and one engine."""
     variants = json.loads(os.environ.get("BENCH_VARIANTS") or json.dumps(
         [{"name": "default"}, {"name": "no-parity", "parity_sample": 0}, {"name": "in-flight-3", "batches_in_flight": 3},
-         {"name": "in-flight-2", "batches_in_flight": 2}]))
+         {"name": "encoders-8", "encoder_threads": 8}, {"name": "default-again"}]))
     started, measure = session_layertap(model_dir)
 
     def measure_variants(prompt_sets: list[list[str]]) -> dict:
+        from layertap.parts.writer import encoder_threads, limit_encoder_threads
+
+        every_core = encoder_threads()
         results = {}
         for variant in variants:
-            overrides = {k: v for k, v in variant.items() if k != "name"}
-            results[variant["name"]] = {"settings": overrides, **measure(prompt_sets, **overrides)}
+            overrides = {k: v for k, v in variant.items() if k not in ("name", "encoder_threads")}
+            limit_encoder_threads(variant.get("encoder_threads", every_core))
+            results[variant["name"]] = {"settings": overrides, "encoder_threads": encoder_threads(),
+                                        **measure(prompt_sets, **overrides)}
             print(variant["name"], round(results[variant["name"]]["seconds"], 2), "s", flush=True)
         first = next(iter(results.values()))
         return {"seconds": first["seconds"], "variants": results}
