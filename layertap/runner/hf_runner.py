@@ -168,9 +168,9 @@ def hf_reference(
     model is loaded for this call only, and its memory freed after.
 
     On a GPU (or when `in_child` says so) the reference runs in a spawned child process that exits when it
-    is done. A process that once used CUDA keeps the context and the libraries' host memory for the rest of
-    its life (about 0.9 GB beside a 7B engine); the process asking is the one driving the engine, alive for
-    the whole run or, warm, for many runs."""
+    is done. A process that once used CUDA keeps the context and the libraries' host memory (hundreds of MB)
+    for the rest of its life; the process asking is the one driving the engine, alive for the whole run or,
+    warm, for many runs."""
     if in_child is None:
         import torch
 
