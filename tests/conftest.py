@@ -5,6 +5,8 @@ vLLM engines and Ray clusters without marking each test by hand."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -63,3 +65,16 @@ def shared_engine(prefect_harness):
     """Keep engines open across flows for the whole test run; the last pin closes them."""
     with engine_cache.pin():
         yield
+
+
+@pytest.fixture
+def fresh_python():
+    """Runs a script in a fresh interpreter (nothing imported yet, as in a new process of the product's) and
+    returns what it printed; the script failing fails the test with its error output."""
+
+    def run(script: str, timeout: float = 300) -> str:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    return run

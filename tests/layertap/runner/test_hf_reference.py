@@ -40,12 +40,10 @@ def test_weights_under_names_the_model_lacks_load_through_transformers(tiny_mode
     assert _read_weights_into(built, sorted(Path(tiny_model).glob("*.safetensors")))
 
 
-def test_a_reference_in_a_child_process_matches_one_computed_here_and_leaves_nothing_behind(tiny_model):
+def test_a_reference_in_a_child_process_matches_one_computed_here_and_leaves_nothing_behind(
+        tiny_model, fresh_python):
     """On a GPU the reference runs in a child that exits (`in_child`): what the asking process keeps of
     it is the vectors, not the model's modules, its context or its weights."""
-    import subprocess
-    import sys
-
     script = (
         "import sys, numpy as np, multiprocessing\n"
         "from layertap.runner.hf_runner import hf_reference\n"
@@ -57,7 +55,6 @@ def test_a_reference_in_a_child_process_matches_one_computed_here_and_leaves_not
         "print('same:', sorted(child) == [0, 2] and all(np.array_equal(child[k], here[k]) for k in here))\n"
         "print('model modules here now:', 'transformers.models.llama.modeling_llama' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == ["model modules here: False", "children left: 0", "same: True",
-                                        "model modules here now: True"], done.stdout
+    printed = fresh_python(script)
+    assert printed.splitlines() == ["model modules here: False", "children left: 0", "same: True",
+                                    "model modules here now: True"], printed

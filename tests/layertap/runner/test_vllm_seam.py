@@ -40,13 +40,10 @@ def test_an_engine_refuses_to_start_on_a_vllm_outside_the_range(monkeypatch, tmp
         VllmRunner(EngineOptions(model=str(tmp_path / "no-model")))
 
 
-def test_vllm_looking_up_the_worker_extension_hooks_model_loading_whatever_was_imported_first():
+def test_vllm_looking_up_the_worker_extension_hooks_model_loading_whatever_was_imported_first(fresh_python):
     """A process started by spawning imports its parent's main module first, which may import this module
     before vLLM (a warm engine's does): vLLM's own lookup of the extension must still hook model loading,
     or the engine's model is never tapped."""
-    import subprocess
-    import sys
-
     check = (
         "import sys\n"
         "import layertap.runner.vllm_seam as seam\n"
@@ -58,5 +55,4 @@ def test_vllm_looking_up_the_worker_extension_hooks_model_loading_whatever_was_i
         "assert hasattr(extension, 'layertap_install')\n"
         "assert BaseModelLoader.load_model._layertap\n"
     )
-    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    fresh_python(check)
