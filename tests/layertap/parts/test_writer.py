@@ -115,6 +115,10 @@ def test_layers_of_one_host_buffer_are_widened_together_and_stored_as_if_apart(t
     assert stacked_view([buffer[0], buffer[1], uneven[3]]) is None
     assert stacked_view([buffer[0], buffer[1][:, :5]]) is None
     assert stacked_view([buffer[0], buffer[2]]).shape == (2, 10, 6)  # evenly spaced: layers 0 and 7
+    # Arrays allocated apart are never one view, though two addresses in order are always evenly spaced.
+    first, second = sorted((np.zeros((10, 6), np.float32), np.zeros((10, 6), np.float32)),
+                           key=lambda a: a.__array_interface__["data"][0])
+    assert stacked_view([first, second]) is None
 
 
 def test_staging_is_left_empty_and_rewrite_replaces(tmp_path):
