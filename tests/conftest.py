@@ -69,12 +69,14 @@ def shared_engine(prefect_harness):
 
 @pytest.fixture
 def fresh_python():
-    """Runs a script in a fresh interpreter (nothing imported yet, as in a new process of the product's) and
-    returns what it printed; the script failing fails the test with its error output."""
+    """Runs a script in a fresh interpreter (nothing imported yet, as in a new process of the product's), with
+    `env` added to the environment, and returns what it printed; the script failing (or crashing) fails the
+    test with its exit status and error output."""
 
-    def run(script: str, timeout: float = 300) -> str:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
-        assert done.returncode == 0, done.stderr[-3000:]
+    def run(script: str, timeout: float = 300, env: dict[str, str] | None = None) -> str:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+        assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-3000:]}"
         return done.stdout
 
     return run

@@ -121,6 +121,32 @@ def test_layers_of_one_host_buffer_are_widened_together_and_stored_as_if_apart(t
     assert stacked_view([first, second]) is None
 
 
+def test_layers_allocated_far_apart_are_converted_one_by_one(tmp_path, fresh_python):
+    """Two layers in unrelated memory (one on the heap, one in a mapping of its own far above it) stored as
+    float16: each is converted by itself. Seen as one view, their span took in the heap above the first,
+    where numpy's new arrays land; numpy took each for an overlap and copied again until the process
+    crashed. Run in a child process, with every allocation on the heap, so a crash fails only this test."""
+    script = f"""
+import mmap
+import numpy as np
+import pyarrow.parquet as pq
+from layertap.parts.writer import write_part
+
+rows, hidden = 16, 4096
+near = (np.arange(rows * hidden) % 1000).astype(np.float32).reshape(rows, hidden)
+far = np.frombuffer(mmap.mmap(-1, rows * hidden * 4), np.float32).reshape(rows, hidden)
+far[:] = -near
+assert near.__array_interface__["data"][0] < far.__array_interface__["data"][0]
+table = pq.read_table({str(tmp_path)!r} + "/" + write_part({str(tmp_path)!r}, "e", "p",
+                      [f"{{i:064x}}" for i in range(rows)], {{0: near, 1: far}}, "float16"))
+for layer, expected in ((0, near), (1, far)):
+    got = np.asarray(table[f"layer_{{layer}}"].combine_chunks().flatten()).reshape(rows, hidden)
+    assert got.dtype == np.float16 and np.array_equal(got, expected), layer
+print("stored")
+"""
+    assert fresh_python(script, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 30)}).strip() == "stored"
+
+
 def test_staging_is_left_empty_and_rewrite_replaces(tmp_path):
     write_part(tmp_path, "e", "p", HASHES, vectors([0], seed=1), "float32")
     relpath = write_part(tmp_path, "e", "p", HASHES, vectors([0], seed=2), "float32")
