@@ -9,6 +9,7 @@ it hands it back; whatever a caller still holds when its connection closes is ha
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 from concurrent.futures import Executor
 from typing import Any
@@ -19,13 +20,24 @@ from layertap.parts.bfloat16 import is_bfloat16
 from layertap.errors import EngineError, LayertapError
 
 
+def freeze_startup_heap() -> None:
+    """Leave what the engine's start made (torch, vLLM, transformers, the tokenizer: objects that live as long
+    as the serving process) out of the garbage collector's passes, as vLLM does in its engine core.
+
+    A pass over the oldest generation otherwise walks all of them, with the engine's loop stopped for it: in
+    the flow on a 2-core CPU, 0.4 to 0.7 s about every ten batches of 1,024 prompts, collecting nothing."""
+    gc.collect()
+    gc.freeze()
+
+
 def engine_info(runner) -> dict[str, Any]:
     """What a caller learns about the engine when it connects."""
     return {"num_layers": runner.num_layers, "hidden_size": runner.hidden_size,
             "max_model_len": runner.max_model_len, "vllm_version": runner.vllm_version,
             "engine_process": runner.engine_process, "step_tokens": runner.step_tokens,
             "compiled": runner.compiled, "capture_buffer_bytes": runner.capture_buffer_bytes,
-            "host_buffers_allocated": runner.host_buffers_allocated}
+            "host_buffers_allocated": runner.host_buffers_allocated,
+            "frozen_heap_objects": gc.get_freeze_count()}
 
 
 def start_failure(exc: BaseException) -> tuple[int, bool, tuple[str, str]]:

@@ -43,7 +43,7 @@ def serve(directory: Path, key: str, engine_lock: int) -> int:
     `engine_lock` (`<key>.engine`, locked by the run that started it) until it has stopped listening."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from layertap.runner.runner_service import answer_calls, engine_info
+    from layertap.runner.runner_service import answer_calls, engine_info, freeze_startup_heap
     from layertap.runner.vllm_runner import VllmRunner
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
@@ -57,6 +57,7 @@ def serve(directory: Path, key: str, engine_lock: int) -> int:
     if changed:  # the model's files or layertap's code changed since the run asked for this engine
         raise EngineError(f"{', '.join(changed)} changed before the engine for {spec.options.model} started")
     runner = VllmRunner(spec.options)
+    freeze_startup_heap()
     started_at = time.time()
     identity = {**engine_info(runner), **spec.as_json(), "key": key, "pid": os.getpid(), "model": spec.options.model,
                 "started_at": started_at}

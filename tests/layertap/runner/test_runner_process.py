@@ -131,6 +131,19 @@ def test_a_child_that_dies_fails_its_waiting_callers_takes_its_engine_core_along
         runner.close()
 
 
+
+def test_the_child_leaves_its_startup_heap_out_of_garbage_collection(model_dirs):
+    """With the engine core apart (as on a GPU), vLLM freezes only the core's heap: the child freezes its own
+    once the engine is up, so a collector pass never walks torch's and vLLM's objects with the engine waiting."""
+    runner = start(model_dirs["llama"], engine_process=True, enforce_eager=True)
+    try:
+        assert runner.frozen_heap_objects > 100_000, runner.frozen_heap_objects
+        ours = runner.extract(varied_prompts(8, seed=67), [4], "last")
+        assert sorted(ours.kept) == list(range(8))
+        ours.release()
+    finally:
+        runner.close()
+
 def test_the_default_follows_the_installed_vllm_build():
     """In its own process on a GPU build of vLLM, in the caller's on its CPU build; either when asked."""
     options = EngineOptions(model="m")
