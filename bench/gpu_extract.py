@@ -356,6 +356,19 @@ class GpuBusy:
             self.mean = round(sum(self.samples) / len(self.samples), 1) if self.samples else None
 
 
+def gc_pauses(since: float, until: float) -> dict:
+    """Per process of the mode ("<pid> <name>"), the garbage-collector passes of 10 ms or more that ended
+    between two epoch times: how many, their milliseconds in all and the longest (with `BENCH_GC_TRACE`)."""
+    found = {}
+    for log in sorted(Path(os.environ.get("BENCH_GC_TRACE") or "/nonexistent").glob("gc-*.log")):
+        pid, name = log.stem[3:].split("-", 1)
+        ms = [float(line.split()[2]) for line in log.read_text().splitlines()
+              if since <= float(line.split()[0]) <= until]
+        if ms:
+            found[f"{pid} {name}"] = {"passes": len(ms), "total_ms": round(sum(ms)), "max_ms": round(max(ms))}
+    return found
+
+
 def _activity_between(before, after) -> dict:
     """What the runner's engine thread did between two `activity()` readings, as plain data."""
     used = after.since(before)
@@ -526,7 +539,7 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
         store = work / "store"
         with RssSampler() as rss, PhaseTimes() as phases, ActivityTimeline(runner, TIMELINE_EVERY) as timeline, \
                 GpuBusy() as gpu:
-            start = time.perf_counter()
+            start, start_epoch = time.perf_counter(), time.time()
             summary = embed_flow(input=[str(data[-1])], store=str(store), **settings)
             flow_call = time.perf_counter() - start  # the flow's own seconds plus Prefect's start and exit
         cpu = _cpu_used(cpu_before, _cpu_seconds(), flow_call)
@@ -556,6 +569,7 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
                 "engine_timeline_started_epoch_s": timeline.started_epoch,
                 "engine_timeline_cpu_s": timeline.cpu, "gpu_busy_pct_timeline": gpu.samples,
                 "long_steps": timeline.long_steps(),
+                "gc_pauses_during_flow_call": gc_pauses(start_epoch, start_epoch + flow_call),
                 "summary_engine_s": {k: summary.get(k) for k in ("engine_busy_seconds", "engine_idle_seconds")},
                 "flow_step_seconds_on_flow_thread": phases.flow_steps,
                 "host_buffers_allocated": runner.host_buffers_allocated,
