@@ -643,13 +643,16 @@ def _in_batches(runner, prompts: list[str], layers: list[int]) -> None:
 def session_layertap_runner(model_dir: str, engine_process: bool | None = None):
     """The hooked runner alone: vectors for every prompt in host memory, no store. Batches are submitted
     from several threads at once, as the flow does, so the engine never drains between them. The engine
-    starts once; `measure(prompt_sets)` runs a workload on it."""
+    starts once; `measure(prompt_sets)` runs a workload on it. Once the engine is up this process freezes
+    its heap out of garbage collection, as the runner process serving a flow does."""
     t0 = time.perf_counter()
+    from layertap.runner.runner_service import freeze_startup_heap
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
 
     overrides = json.loads(os.environ.get("BENCH_ENGINE_OPTIONS", "{}"))  # e.g. {"max_num_seqs": 2048}
     options = {"dtype": "bfloat16", "load_format": LOAD_FORMAT, "engine_process": engine_process, **overrides}
     runner = VllmRunner(EngineOptions(model=model_dir, **options))
+    freeze_startup_heap()
     startup = time.perf_counter() - t0
     layers = list(range(runner.num_layers + 1))
     runner.extract([f"warm-up prompt number {i}" for i in range(64)], layers, "last").release()
