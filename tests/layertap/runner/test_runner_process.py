@@ -131,7 +131,6 @@ def test_a_child_that_dies_fails_its_waiting_callers_takes_its_engine_core_along
         runner.close()
 
 
-
 def test_the_child_leaves_its_startup_heap_out_of_garbage_collection(model_dirs):
     """With the engine core apart (as on a GPU), vLLM freezes only the core's heap: the child freezes its own
     once the engine is up, so a collector pass never walks torch's and vLLM's objects with the engine waiting."""
@@ -143,6 +142,7 @@ def test_the_child_leaves_its_startup_heap_out_of_garbage_collection(model_dirs)
         ours.release()
     finally:
         runner.close()
+
 
 def test_the_default_follows_the_installed_vllm_build():
     """In its own process on a GPU build of vLLM, in the caller's on its CPU build; either when asked."""
