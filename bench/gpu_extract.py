@@ -39,7 +39,8 @@ MODES = ["hf_loop", "hf_batched", "vllm_plain", "layertap", "layertap_runner", "
 DIAGNOSTIC_MODES = ["layertap_runner_writing", "layertap_runner_in_flow", "layertap_runner_in_process",
                     "layertap_in_process", "vllm_pooling_eager", "vllm_pooling_compiled",
                     "vllm_pooling_inprocess_async", "vllm_plain_v1_runner", "vllm_pooling_v2_runner",
-                    "vllm_plain_profiled", "layertap_runner_profiled", "layertap_variants"]
+                    "vllm_plain_profiled", "layertap_runner_profiled", "layertap_variants",
+                    "layertap_processes_apart"]
 BATCH = int(os.environ.get("BENCH_BATCH_SIZE", "1024"))
 IN_FLIGHT = int(os.environ.get("BENCH_IN_FLIGHT", "4"))
 # Every vLLM-based mode runs its workload this many times on one engine and reports the last pass: the
@@ -747,6 +748,12 @@ def run_layertap_in_process(model_dir: str, prompt_sets: list[list[str]]) -> dic
     """The flow end to end with the runner and vLLM's engine core in the flow's process
     (`--no-runner-process --no-engine-process`)."""
     return run_layertap(model_dir, prompt_sets, engine_process=False, runner_process=False)
+
+
+def run_layertap_processes_apart(model_dir: str, prompt_sets: list[list[str]]) -> dict:
+    """The flow end to end with the runner and vLLM's engine core each in a process of its own, as on a GPU
+    (`--runner-process --engine-process`), on any machine: the GPU's placement tried on a CPU."""
+    return run_layertap(model_dir, prompt_sets, engine_process=True, runner_process=True)
 
 
 def run_layertap_runner_in_flow(model_dir: str, prompt_sets: list[list[str]]) -> dict:
