@@ -357,16 +357,25 @@ class GpuBusy:
             self.mean = round(sum(self.samples) / len(self.samples), 1) if self.samples else None
 
 
-def gc_pauses(since: float, until: float) -> dict:
-    """Per process of the mode ("<pid> <name>"), the garbage-collector passes of 10 ms or more that ended
-    between two epoch times: how many, their milliseconds in all and the longest (with `BENCH_GC_TRACE`)."""
+def gc_pauses(since: float, until: float, runner_pid: int | None = None) -> dict:
+    """Per process of the mode, the garbage-collector passes of 10 ms or more that ended between two epoch
+    times: how many, their milliseconds in all and the longest (with `BENCH_GC_TRACE`). Processes are named
+    as in `_cpu_seconds` ("self" for this one, "<name> <pid>" for the others), "runner <pid>" for the runner
+    process."""
     found = {}
     for log in sorted(Path(os.environ.get("BENCH_GC_TRACE") or "/nonexistent").glob("gc-*.log")):
-        pid, name = log.stem[3:].split("-", 1)
+        pid, script = log.stem[3:].split("-", 1)
         ms = [float(line.split()[2]) for line in log.read_text().splitlines()
               if since <= float(line.split()[0]) <= until]
-        if ms:
-            found[f"{pid} {name}"] = {"passes": len(ms), "total_ms": round(sum(ms)), "max_ms": round(max(ms))}
+        if not ms:
+            continue
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            comm = script  # the process is gone
+        name = ("self" if int(pid) == os.getpid() else "runner" if int(pid) == runner_pid else comm) + \
+            ("" if int(pid) == os.getpid() else f" {pid}")
+        found[name] = {"passes": len(ms), "total_ms": round(sum(ms)), "max_ms": round(max(ms))}
     return found
 
 
@@ -570,7 +579,8 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
                 "engine_timeline_started_epoch_s": timeline.started_epoch,
                 "engine_timeline_cpu_s": timeline.cpu, "gpu_busy_pct_timeline": gpu.samples,
                 "long_steps": timeline.long_steps(),
-                "gc_pauses_during_flow_call": gc_pauses(start_epoch, start_epoch + flow_call),
+                "gc_pauses_during_flow_call": gc_pauses(start_epoch, start_epoch + flow_call,
+                                                        getattr(runner, "pid", None)),
                 "summary_engine_s": {k: summary.get(k) for k in ("engine_busy_seconds", "engine_idle_seconds")},
                 "flow_step_seconds_on_flow_thread": phases.flow_steps,
                 "host_buffers_allocated": runner.host_buffers_allocated,
