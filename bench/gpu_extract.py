@@ -253,6 +253,11 @@ def _tree_pss_gib() -> dict[str, float]:
     return found
 
 
+def _process_name(pid: int, comm: str) -> str:
+    """How a report names a process of the mode: "self" for this one, "<name> <pid>" for the others."""
+    return "self" if pid == os.getpid() else f"{comm} {pid}"
+
+
 def _cpu_seconds() -> dict[str, float]:
     """CPU seconds (user + system) used so far by this process and each process under it, keyed "name pid"
     ("self" for this one), and by the whole host ("host", every core's non-idle time): taken before and
@@ -266,8 +271,7 @@ def _cpu_seconds() -> dict[str, float]:
         except OSError:
             continue
         comm, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
-        name = "self" if pid == os.getpid() else f"{comm} {pid}"
-        found[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        found[_process_name(pid, comm)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     with open("/proc/stat") as stat:
         cpu = [int(v) for v in stat.readline().split()[1:]]
     found["host"] = (sum(cpu) - cpu[3] - cpu[4]) / tick  # all but idle and iowait
@@ -360,22 +364,20 @@ class GpuBusy:
 def gc_pauses(since: float, until: float, runner_pid: int | None = None) -> dict:
     """Per process of the mode, the garbage-collector passes of 10 ms or more that ended between two epoch
     times: how many, their milliseconds in all and the longest (with `BENCH_GC_TRACE`). Processes are named
-    as in `_cpu_seconds` ("self" for this one, "<name> <pid>" for the others), "runner <pid>" for the runner
-    process."""
+    as in `_cpu_seconds`, the runner process as "runner <pid>"."""
     found = {}
     for log in sorted(Path(os.environ.get("BENCH_GC_TRACE") or "/nonexistent").glob("gc-*.log")):
         pid, script = log.stem[3:].split("-", 1)
-        ms = [float(line.split()[2]) for line in log.read_text().splitlines()
-              if since <= float(line.split()[0]) <= until]
+        passes = [line.split() for line in log.read_text().splitlines()]  # "<epoch s> <generation> <ms> ..."
+        ms = [float(fields[2]) for fields in passes if since <= float(fields[0]) <= until]
         if not ms:
             continue
         try:
-            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            comm = "runner" if int(pid) == runner_pid else Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             comm = script  # the process is gone
-        name = ("self" if int(pid) == os.getpid() else "runner" if int(pid) == runner_pid else comm) + \
-            ("" if int(pid) == os.getpid() else f" {pid}")
-        found[name] = {"passes": len(ms), "total_ms": round(sum(ms)), "max_ms": round(max(ms))}
+        found[_process_name(int(pid), comm)] = {"passes": len(ms), "total_ms": round(sum(ms)),
+                                                "max_ms": round(max(ms))}
     return found
 
 
