@@ -142,6 +142,7 @@ def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
         logger.info("no model given: using the tiny demo model in %s", settings.demo_model_dir())
     deployed = deployment.id is not None
     settings = run_settings(settings, deployed)
+    engine_cache.settle_engine_logging(settings)  # before any task thread logs
     store_dir = settings.store
     # One writing run per store; readers never wait on it. Deployment runs first take their store's turn in
     # Prefect (a concurrency limit per store), then its lock with what is left of the wait.

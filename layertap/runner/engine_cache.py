@@ -112,6 +112,19 @@ def _start(settings: Settings):
     return start_runner(*engine_start_args(settings))
 
 
+def settle_engine_logging(settings: Settings) -> None:
+    """Before a run's tasks start: apply vLLM's logging configuration now when its engine will run in this
+    process (`vllm_seam.configure_logging_now` says why); an engine in another process needs nothing here."""
+    if settings.executor == "ray":
+        return
+    options, _, idle_timeout = engine_start_args(settings)
+    if idle_timeout is not None or options.runner_in_own_process():  # a warm engine's process, or the runner's
+        return
+    from layertap.runner.vllm_seam import configure_logging_now
+
+    configure_logging_now()
+
+
 def check_executor(settings: Settings) -> None:
     """Before a run writes anything: with the ray executor, join the cluster and check that the engines asked
     for fit it (a one-line error if not). Nothing to check for the local executor."""

@@ -148,6 +148,19 @@ class Finished:
     row: int
 
 
+def configure_logging_now() -> None:
+    """Apply vLLM's logging configuration in this process now, as `LLM(...)` would on its first start.
+
+    `LLM(...)` applies it with `logging.config.dictConfig`, which takes logging's module lock and then every
+    handler's lock. A handler that takes the module lock while holding its own (Prefect's API log handler
+    does, through `getLogger`) then deadlocks against an engine started on one thread while another logs.
+    Called on the flow's thread before any task runs, the engine's own start finds it already applied."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging_if_needed
+
+    configure_logging_if_needed(LoggingConfig())
+
+
 def start_engine(options: EngineOptions, engine_process: bool, gpu_memory_utilization: float, eager: bool):
     """vLLM's `LLM` for `options`, started as a pooling model whose workers carry `CaptureWorker`.
 

@@ -1,4 +1,5 @@
-"""The process's engine registry: which engine a failed batch may discard."""
+"""The process's engine registry: which engine a failed batch may discard, and what a run settles before its
+engine starts."""
 
 from layertap.runner import engine_cache
 from layertap.settings import Settings
@@ -44,3 +45,36 @@ def test_a_batch_that_saw_an_engine_die_keeps_the_replacement_another_batch_star
     engine_cache.discard_if_dead(settings, dead)
     assert engine_cache._runners[key] is fresh and not fresh.closed
     assert dead.closed
+
+
+# A handler that, like Prefect's API log handler, takes logging's module lock (getLogger) while it holds its
+# own; one thread logs through it without pause while the engine starts on another, as tasks do in a run.
+_ENGINE_BESIDE_A_LOGGING_THREAD = """
+import logging, sys, threading, time
+from layertap.runner import engine_cache
+from layertap.settings import Settings
+
+class LikePrefects(logging.Handler):
+    def emit(self, record):
+        time.sleep(0.002)
+        logging.getLogger("like-prefects")
+
+busy = logging.getLogger("a-task")
+busy.addHandler(LikePrefects())
+busy.propagate = False
+settings = Settings(model=sys.argv[1], enforce_eager=True, runner_process=False)
+if sys.argv[2] == "settled":
+    engine_cache.settle_engine_logging(settings)
+threading.Thread(target=lambda: [busy.warning("tick") for _ in iter(int, 1)], daemon=True).start()
+engine_cache.start_early(settings).join(240)
+print("engine up" if engine_cache.open_runners() == 1 else "engine still starting")
+engine_cache.close_runners(force=True)
+"""
+
+
+def test_an_engine_started_in_the_background_beside_a_logging_thread_comes_up(tiny_model, fresh_python):
+    """vLLM configures logging as its engine starts (module lock, then each handler's); settled first on the
+    calling thread, that configuration no longer meets a handler that holds its lock and wants the module's."""
+    script = _ENGINE_BESIDE_A_LOGGING_THREAD.replace("sys.argv[1]", repr(tiny_model))
+    script = script.replace("sys.argv[2]", '"settled"')
+    assert fresh_python(script, timeout=120).strip().endswith("engine up")
