@@ -142,7 +142,6 @@ def run_pipeline(settings: Settings, dataset: str | None = None) -> dict:
         logger.info("no model given: using the tiny demo model in %s", settings.demo_model_dir())
     deployed = deployment.id is not None
     settings = run_settings(settings, deployed)
-    engine_cache.settle_engine_logging(settings)  # before any task thread logs
     store_dir = settings.store
     # One writing run per store; readers never wait on it. Deployment runs first take their store's turn in
     # Prefect (a concurrency limit per store), then its lock with what is left of the wait.
@@ -179,6 +178,7 @@ def _run_locked(
         if batches:  # refused before any engine work when the output cannot fit
             check_room(store_dir, sum(b.num_prompts * len(b.layers) for b in batches), run.hidden_size,
                        stored_value_bytes(settings.dtype, run.stored_dtype))
+            engine_cache.settle_engine_logging(settings)  # an engine here starts in a task, beside others logging
 
         watch = ProgressArtifact(dataset, planned, len(batches))
         elapsed = run_progress.stopwatch()

@@ -113,8 +113,9 @@ def _start(settings: Settings):
 
 
 def settle_engine_logging(settings: Settings) -> None:
-    """Before a run's tasks start: apply vLLM's logging configuration now when its engine will run in this
-    process (`vllm_seam.configure_logging_now` says why); an engine in another process needs nothing here."""
+    """Apply vLLM's logging configuration now, on the run's own thread before its tasks log, when its engine
+    will run in this process (`vllm_seam.configure_logging_now` says why). Called only once engine work is
+    in sight: importing vLLM takes seconds a run with nothing to extract need not spend."""
     if settings.executor == "ray":
         return
     options, _, idle_timeout = engine_start_args(settings)
@@ -153,6 +154,7 @@ def start_early(settings: Settings) -> threading.Thread:
                 if _closings == closings:
                     _early_failures[runner_key(settings)] = exc
 
+    settle_engine_logging(settings)  # here, before the run's tasks log while the engine starts beside them
     thread = threading.Thread(target=start, name=START_THREAD, daemon=True)
     thread.start()
     return thread

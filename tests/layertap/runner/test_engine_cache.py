@@ -63,18 +63,17 @@ busy = logging.getLogger("a-task")
 busy.addHandler(LikePrefects())
 busy.propagate = False
 settings = Settings(model=sys.argv[1], enforce_eager=True, runner_process=False)
-if sys.argv[2] == "settled":
-    engine_cache.settle_engine_logging(settings)
+starting = engine_cache.start_early(settings)
 threading.Thread(target=lambda: [busy.warning("tick") for _ in iter(int, 1)], daemon=True).start()
-engine_cache.start_early(settings).join(240)
+starting.join(240)
 print("engine up" if engine_cache.open_runners() == 1 else "engine still starting")
 engine_cache.close_runners(force=True)
 """
 
 
-def test_an_engine_started_in_the_background_beside_a_logging_thread_comes_up(tiny_model, fresh_python):
-    """vLLM configures logging as its engine starts (module lock, then each handler's); settled first on the
-    calling thread, that configuration no longer meets a handler that holds its lock and wants the module's."""
+def test_an_engine_started_early_comes_up_beside_a_thread_that_then_logs(tiny_model, fresh_python):
+    """vLLM configures logging as its engine starts (module lock, then each handler's); `start_early` settles
+    it on the calling thread first, so the engine's start no longer meets a handler holding its own lock and
+    wanting the module's."""
     script = _ENGINE_BESIDE_A_LOGGING_THREAD.replace("sys.argv[1]", repr(tiny_model))
-    script = script.replace("sys.argv[2]", '"settled"')
     assert fresh_python(script, timeout=120).strip().endswith("engine up")
