@@ -154,7 +154,7 @@ def configure_logging_now() -> None:
     `LLM(...)` applies it with `logging.config.dictConfig`, which takes logging's module lock and then every
     handler's lock. A handler that takes the module lock while holding its own (Prefect's API log handler
     does, through `getLogger`) then deadlocks against an engine started on one thread while another logs.
-    Called on the flow's thread before any task runs, the engine's own start finds it already applied."""
+    Called on a run's own thread before its tasks log beside the engine's start, that start finds it applied."""
     from vllm.config.logging import LoggingConfig
     from vllm.logger import configure_logging_if_needed
 
