@@ -1,8 +1,9 @@
 """A real writer process for the concurrency tests: holds the store lock and keeps publishing parts.
 
-Usage: python store_writer_child.py STORE ROUNDS. Each round appends 50 new rows, normalises, plans and
-publishes every batch with deterministic stand-in vectors (no engine: the store is what is under test).
-Prints "locked" once it holds the lock, then "round N" after each round.
+Usage: python store_writer_child.py STORE ROUNDS [paced]. Each round appends 50 new rows, normalises, plans
+and publishes every batch with deterministic stand-in vectors (no engine: the store is what is under test).
+Prints "locked" once it holds the lock, then "round N" after each round; paced, it then waits for a line on
+its stdin before the next round, so a reader sees every round however slowly it reads.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def vector(prompt_hash: str, layer: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(8).astype(np.float32)
 
 
-def main(store: str, rounds: int) -> None:
+def main(store: str, rounds: int, paced: bool = False) -> None:
     with store_lock(store):
         print("locked", flush=True)
         db = StoreDB(store)
@@ -44,7 +45,9 @@ def main(store: str, rounds: int) -> None:
                 relpath = write_part(db.root, eid, batch.batch_id, hashes, vectors, "float32")
                 db.publish_part(eid, batch.batch_id, relpath, batch.layers, hashes)
             print(f"round {r}", flush=True)
+            if paced and r + 1 < rounds:
+                sys.stdin.readline()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["paced"])

@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[3]
 CHILD = Path(__file__).with_name("store_writer_child.py")
 
 
-def child(*args: str, code: str | None = None) -> subprocess.Popen:
+def child(*args: str, code: str | None = None, stdin=None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, str(CHILD), *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
 
 def holder(store: Path, seconds: float) -> subprocess.Popen:
@@ -88,7 +88,7 @@ def test_readers_read_while_a_writer_writes(tmp_path):
     from layertap.store.reader import Store
 
     store = tmp_path / "store"
-    proc = child(str(store), "12")
+    proc = child(str(store), "12", "paced", stdin=subprocess.PIPE)  # a round after each read: none is missed
     assert proc.stdout.readline().strip() == "locked"
     assert proc.stdout.readline().strip() == "round 0"
     reads, sizes = 0, []
@@ -99,6 +99,11 @@ def test_readers_read_while_a_writer_writes(tmp_path):
         assert table.num_rows % 10 == 0 and table.num_rows >= 50
         sizes.append(table.num_rows)
         reads += 1
+        try:
+            proc.stdin.write("next\n")
+            proc.stdin.flush()
+        except BrokenPipeError:  # the last round was written and the writer has exited
+            break
     assert proc.wait() == 0
     assert reads >= 3 and sizes == sorted(sizes) and len(set(sizes)) > 1  # reads saw the store grow
     assert Store(store).embeddings(layer=0).num_rows == 12 * 50
