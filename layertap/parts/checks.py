@@ -200,8 +200,8 @@ def parity_check(
 ) -> ParityReport:
     """Recompute `texts` with transformers (`hf_reference`: on the GPU in the engine's dtype where it fits,
     else in float32 on the CPU) and compare with `vectors` (rows = texts), at the engine dtype's tolerance.
-    Given an engine that can compute the reference (`VllmRunner.reference`: in the engine's worker, which has
-    the device's context already; `RunnerClient.reference` through the process serving it), it does."""
+    Given an engine in another process that can compute the reference (`RunnerClient.reference`), it does,
+    so this process never loads torch."""
     if hasattr(engine, "reference"):
         expected = engine.reference(texts, layers, pooling, trust_remote_code)
     else:

@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 # GPU memory the reference needs beyond its weights: one short prompt's activations, the allocator's slack.
 REFERENCE_SLACK_BYTES = 2 * 2**30
-# What the engine's default share leaves free beyond that: what vLLM holds beyond its share, and room to
-# spare (on an H100 with a 7B model, leaving exactly the reference's bytes was once 0.1 GB short).
+# What the engine's default share leaves free beyond that: the CUDA context of the process computing the
+# reference, and what vLLM holds beyond its share (on an H100 with a 7B model, leaving exactly the
+# reference's bytes left it 0.1 GB short).
 ENGINE_MARGIN_BYTES = 3 * 2**30
 # Tensors copied at once while loading: page faults and host-to-device copies overlap, and host memory
 # maps no more than these few tensors.
@@ -165,9 +166,12 @@ def hf_reference(
     """`texts` pooled by transformers, placed by `reference_placement`: the parity sample's reference. The
     model is loaded for this call only, and its memory freed after.
 
-    It runs in the calling process: beside a vLLM engine, that is the engine's worker (`worker_reference`),
-    whose device context it shares. A spawned child per call would start an interpreter, a context and the
-    weights again for every run: 12 to 14 s on an H100 beside a 7B engine, holding the run back."""
+    It runs in the asking process (on a GPU, the one driving the engine), which keeps the CUDA context for
+    the rest of its life. A spawned child per call would start an interpreter, a context and the weights
+    again for every run: 12 to 14 s on an H100 beside a 7B engine, holding the run back, and its 1.2 GB lie
+    inside the run's memory peak anyway. In vLLM's worker, which has a context already, it would share one
+    interpreter lock with the engine core's busy loop: beside a busy 7B engine it took 11 s and slowed the
+    engine's steps (README, performance)."""
     device, dtype = reference_placement(model, engine_dtype)
     started = time.monotonic()
     reference = HfRunner(model, dtype, device, trust_remote_code=trust_remote_code)

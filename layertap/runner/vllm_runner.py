@@ -43,7 +43,6 @@ from layertap.runner.engine_options import EngineOptions
 from layertap.runner import vllm_seam
 from layertap.runner.host_buffers import HostBuffers, Segment
 from layertap.runner.pooler import sink_reference
-from layertap.runner import worker_reference
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +50,6 @@ log = logging.getLogger(__name__)
 # half the bytes. Means are summed in float32 and kept so: a mean carries more precision than its inputs.
 HOST_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPES = tuple(HOST_DTYPES)
-# How often the engine thread asks the worker whether the parity reference is ready (it takes seconds).
-REFERENCE_POLL_S = 0.2
 
 
 @dataclass
@@ -93,7 +90,7 @@ def _as_numpy(vectors: torch.Tensor) -> np.ndarray:
 def default_gpu_memory_share(options: EngineOptions) -> float:
     """The engine's share of the GPU when none is asked for: vLLM's 0.9, less the room the parity reference
     needs to run beside it in the engine's dtype (`hf_runner.reference_bytes`, plus `ENGINE_MARGIN_BYTES`
-    for what vLLM takes beyond its share), as long as the engine keeps
+    for the reference's own CUDA context and what vLLM takes beyond its share), as long as the engine keeps
     at least half the device. Extraction is prefill only: the KV cache holds only the prompts in flight, so a
     smaller share costs no speed."""
     from layertap.runner.hf_runner import ENGINE_MARGIN_BYTES, reference_bytes
@@ -349,18 +346,6 @@ class VllmRunner:
         made = self._host.reserve((layers, prompts, self.hidden_size), count, self.host_dtype(pooling))
         if made:
             self._in_engine_thread(lambda: vllm_seam.call_workers(self.llm, "layertap_map_buffers", made))
-
-    def reference(self, texts: list[str], layers: list[int], pooling: str,
-                  trust_remote_code: bool = False) -> dict[int, np.ndarray]:
-        """The parity sample's Hugging Face vectors (`hf_runner.hf_reference`), computed in the engine's first
-        worker (`worker_reference`), which has the device's context already, while the engine keeps stepping:
-        the engine thread asks for them between steps until they are ready."""
-        args = (self.options.model, list(texts), list(layers), pooling, trust_remote_code, self.options.dtype)
-        job = self._in_engine_thread(lambda: vllm_seam.call_workers(self.llm, "layertap_reference_start", *args))[0]
-        while (answer := self._in_engine_thread(
-                lambda: vllm_seam.call_workers(self.llm, "layertap_reference_result", job))[0]) is None:
-            time.sleep(REFERENCE_POLL_S)
-        return worker_reference.decode(answer)
 
     def mapped_host_buffers(self) -> list[str]:
         """Paths of the host buffers the engine's copying worker has mapped."""

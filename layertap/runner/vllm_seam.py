@@ -433,25 +433,6 @@ class _CaptureWorker:
         """Paths of the host buffers this worker has mapped."""
         return sorted(_tap_of(self).buffers.mapped())
 
-    def layertap_reference_start(self, model: str, texts: list[str], layers: list[int], pooling: str,
-                                 trust_remote_code: bool, engine_dtype: str) -> int | None:
-        """Start the parity reference on a thread of this worker (`worker_reference`); its job id. Only the
-        first rank computes it."""
-        if not _first_rank():
-            return None
-        from layertap.runner import worker_reference
-
-        return worker_reference.start(getattr(self, "device", None), model, texts, layers, pooling,
-                                      trust_remote_code, engine_dtype)
-
-    def layertap_reference_result(self, job: int | None) -> dict | None:
-        """The parity reference job's answer once it is done (`worker_reference.result`), else None."""
-        if job is None:
-            return None
-        from layertap.runner import worker_reference
-
-        return worker_reference.result(job)
-
     def layertap_unmap_buffers(self) -> int:
         """Unlock and drop every host buffer mapping: the runner is closing and removes its buffers."""
         buffers = _tap_of(self).buffers

@@ -105,34 +105,6 @@ def test_concurrent_callers_share_the_engine_and_get_their_own_rows(engines, ref
         assert_parity(ours, references("llama").extract(prompts, layers, pooling), layers)
 
 
-def assert_same_reference(computed, expected, layers):
-    """The worker's reference against transformers run here: the same model, dtype and device."""
-    assert sorted(computed) == sorted(layers)
-    for layer in layers:
-        assert computed[layer].dtype == np.float32 and computed[layer].shape == expected[layer].shape
-        np.testing.assert_allclose(computed[layer], as_float32(expected[layer]), rtol=0, atol=MAX_ABS_ERROR or 1e-2)
-
-
-def test_the_parity_reference_is_computed_in_the_worker_while_batches_run(engines, references, caplog):
-    """`reference` computes transformers' vectors beside the engine, on a thread of its worker: batches queued
-    meanwhile run and come back right; an error in the reference comes back as an EngineError naming it."""
-    runner = engines("llama")
-    layers = [0, 2, runner.num_layers]
-    sample = varied_prompts(5, seed=20)
-    batches = [varied_prompts(40, seed=21 + i) for i in range(3)]
-    with ThreadPoolExecutor(4) as pool, caplog.at_level("INFO", logger="layertap.runner.worker_reference"):
-        computed = pool.submit(runner.reference, sample, layers, "last")
-        results = list(pool.map(lambda prompts: runner.extract(prompts, layers, "last"), batches))
-        computed = computed.result()
-    assert_same_reference(computed, references("llama").extract(sample, layers, "last").vectors, layers)
-    for prompts, ours in zip(batches, results):
-        assert_parity(ours, references("llama").extract(prompts, layers, "last"), layers)
-    assert "parity reference computed in the engine's worker" in caplog.text
-    with pytest.raises(EngineError, match="parity reference failed in the engine's worker: IndexError"):
-        runner.reference(sample, [runner.num_layers + 5], "last")
-    assert runner.extract(sample, layers, "last").vectors[0].shape == (len(sample), runner.hidden_size)
-
-
 def test_by_default_the_engine_core_has_a_process_of_its_own_on_a_gpu_and_shares_this_one_on_a_cpu(engines):
     """Unasked, the engine loop leaves the caller's interpreter lock on a GPU (where it bounds long runs) and
     stays in the caller's process on a CPU (same cores either way; it starts sooner)."""
@@ -283,12 +255,10 @@ def test_a_compiled_model_without_the_tap_is_refused(model_dirs, monkeypatch):
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_an_engine_core_in_its_own_process_fills_shared_buffers_and_matches(model_dirs, references, caplog):
+def test_an_engine_core_in_its_own_process_fills_shared_buffers_and_matches(model_dirs, references):
     """engine_process=True: the worker, in another process, copies vectors into buffers it maps by path;
-    rows map back to their prompts across calls, poolings and layer sets. The parity reference is computed
-    in that process too, and its vectors cross back intact."""
+    rows map back to their prompts across calls, poolings and layer sets."""
     import os
-    import re
 
     from layertap.runner.vllm_runner import EngineOptions, VllmRunner
 
@@ -305,12 +275,6 @@ def test_an_engine_core_in_its_own_process_fills_shared_buffers_and_matches(mode
             assert sorted(ours.kept) == list(range(len(prompts)))
             assert_parity(ours, references("llama").extract(prompts, layers, pooling), layers)
             ours.release()
-        sample = varied_prompts(4, seed=43)
-        with caplog.at_level("INFO", logger="layertap.runner.worker_reference"):
-            computed = runner.reference(sample, [1, 4], "mean")
-        assert_same_reference(computed, references("llama").extract(sample, [1, 4], "mean").vectors, [1, 4])
-        computed_in = int(re.search(r"engine's worker \(process (\d+)\)", caplog.text).group(1))
-        assert computed_in != os.getpid()  # the engine core's process, beside its worker
         directory = runner._host.directory
     finally:
         runner.close()
