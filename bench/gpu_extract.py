@@ -501,7 +501,8 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
     """End to end through the `embed` flow: ingest, normalise, plan, extract, write Parquet, validate (with
     the parity sample where the model has weights), publish, then read the last layer back through `Store`.
     The engine is started (and timed) by a warm-up run and kept for every measured run, as a worker process
-    keeps it between batches; `measure(prompt_sets)` runs a workload's flow calls on it. The warm-up run goes
+    keeps it between batches (with it the parity reference the warm-up run loaded, as a kept engine keeps
+    it); `measure(prompt_sets)` runs a workload's flow calls on it. The warm-up run goes
     through `flows.cli.run_flow`, as `layertap run` does (its engine starts while Prefect starts)."""
     t0 = time.perf_counter()
     import shutil

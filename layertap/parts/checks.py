@@ -200,8 +200,8 @@ def parity_check(
 ) -> ParityReport:
     """Recompute `texts` with transformers (`hf_reference`: on the GPU in the engine's dtype where it fits,
     else in float32 on the CPU) and compare with `vectors` (rows = texts), at the engine dtype's tolerance.
-    Given an engine in another process that can compute the reference (`RunnerClient.reference`), it does,
-    so this process never loads torch."""
+    Given an engine that can compute the reference (`VllmRunner.reference`, or `RunnerClient.reference` for
+    one in another process, so this process never loads torch), it does, with the reference it keeps."""
     if hasattr(engine, "reference"):
         expected = engine.reference(texts, layers, pooling, trust_remote_code)
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import mmap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +29,8 @@ REFERENCE_SLACK_BYTES = 2 * 2**30
 # reference, and what vLLM holds beyond its share (on an H100 with a 7B model, leaving exactly the
 # reference's bytes left it 0.1 GB short).
 ENGINE_MARGIN_BYTES = 3 * 2**30
+# A reference on the CPU whose weights take at most this much host memory stays loaded beside its engine.
+KEEP_ON_HOST_BYTES = 256 * 2**20
 # Tensors copied at once while loading: page faults and host-to-device copies overlap, and host memory
 # maps no more than these few tensors.
 LOAD_THREADS = 4
@@ -101,7 +104,7 @@ class HfRunner:
 
         info = read_model_info(model)
         self.num_layers, self.hidden_size = info.num_layers, info.hidden_size
-        self.device = device
+        self.device, self.dtype = device, dtype
         self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
         self.model = _load_model(model, getattr(torch, dtype), device, trust_remote_code).eval()
 
@@ -122,6 +125,10 @@ class HfRunner:
                     pooled = states[-1] if pooling == "last" else states.mean(0)
                     out[layer][row] = pooled.cpu().numpy()
         return Extraction(out, list(range(len(texts))), num_tokens=tokens)
+
+    def weight_bytes(self) -> int:
+        """Bytes the loaded model's weights take."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def close(self) -> None:
         """Free the model's memory now, on the device too: the engine beside it keeps running."""
@@ -159,12 +166,71 @@ def reference_placement(model: str, engine_dtype: str) -> tuple[str, str]:
     return "cpu", "float32"
 
 
+class ParityReference:
+    """The parity sample's reference beside one engine: transformers' model, placed by `reference_placement`,
+    loaded on the first call.
+
+    With `keep`, it stays loaded for the engine's life when that costs the host nothing (on the GPU, in the
+    room the engine's default share leaves it) or little (a small model on the CPU): a kept engine's later
+    runs (a deployment's, triggered by new rows) check their sample without reading the weights again, 13 GB
+    for a 7B model, which beside a busy engine also competes with the run's Parquet encoding for the host's
+    memory bandwidth. A large model on the CPU (float32, 28 GB for a 7B model) is freed after each call."""
+
+    def __init__(self, model: str, engine_dtype: str = "float32", keep: bool = True):
+        self.model, self.engine_dtype, self.keep = model, engine_dtype, keep
+        self.loads = 0  # how many times the weights were read
+        self._loaded: HfRunner | None = None
+        self._trust: bool | None = None
+        self._lock = threading.Lock()
+
+    def vectors(self, texts: list[str], layers: list[int], pooling: str,
+                trust_remote_code: bool = False) -> dict[int, np.ndarray]:
+        """`texts` pooled by transformers at `layers`, one float32 row per text."""
+        with self._lock:
+            started, fresh = time.monotonic(), self._loaded is None or self._trust != trust_remote_code
+            if fresh:
+                self._release()
+                device, dtype = reference_placement(self.model, self.engine_dtype)
+                self._loaded = HfRunner(self.model, dtype, device, trust_remote_code=trust_remote_code)
+                self._trust = trust_remote_code
+                self.loads += 1
+            reference, loaded = self._loaded, time.monotonic()
+            try:
+                return reference.extract(texts, layers, pooling).vectors
+            finally:
+                if not (self.keep and _worth_keeping(reference)):
+                    self._release()
+                log.info("parity reference on %s in %s: model %s, %d prompts in %.1f s",
+                         reference.device, reference.dtype,
+                         f"loaded in {loaded - started:.1f} s" if fresh else "kept from an earlier run",
+                         len(texts), time.monotonic() - loaded)
+
+    @property
+    def loaded(self) -> bool:
+        return self._loaded is not None
+
+    def close(self) -> None:
+        """Free the model's memory (the engine it served is closing)."""
+        with self._lock:
+            self._release()
+
+    def _release(self) -> None:
+        if self._loaded is not None:
+            self._loaded.close()
+            self._loaded = None
+
+
+def _worth_keeping(reference: HfRunner) -> bool:
+    """Whether keeping `reference` loaded costs the host little: on a device, or small."""
+    return reference.device != "cpu" or reference.weight_bytes() <= KEEP_ON_HOST_BYTES
+
+
 def hf_reference(
     model: str, texts: list[str], layers: list[int], pooling: str, trust_remote_code: bool = False,
     engine_dtype: str = "float32",
 ) -> dict[int, np.ndarray]:
-    """`texts` pooled by transformers, placed by `reference_placement`: the parity sample's reference. The
-    model is loaded for this call only, and its memory freed after.
+    """`texts` pooled by transformers, placed by `reference_placement`: the parity sample's reference, with
+    the model loaded for this call only (`ParityReference` keeps it beside an engine).
 
     It runs in the asking process (on a GPU, the one driving the engine), which keeps the CUDA context for
     the rest of its life. A spawned child per call would start an interpreter, a context and the weights
@@ -172,13 +238,4 @@ def hf_reference(
     inside the run's memory peak anyway. In vLLM's worker, which has a context already, it would share one
     interpreter lock with the engine core's busy loop: beside a busy 7B engine it took 11 s and slowed the
     engine's steps (README, performance)."""
-    device, dtype = reference_placement(model, engine_dtype)
-    started = time.monotonic()
-    reference = HfRunner(model, dtype, device, trust_remote_code=trust_remote_code)
-    loaded = time.monotonic()
-    try:
-        return reference.extract(texts, layers, pooling).vectors
-    finally:
-        reference.close()
-        log.info("parity reference on %s in %s: model loaded in %.1f s, %d prompts in %.1f s",
-                 device, dtype, loaded - started, len(texts), time.monotonic() - loaded)
+    return ParityReference(model, engine_dtype, keep=False).vectors(texts, layers, pooling, trust_remote_code)

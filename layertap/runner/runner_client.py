@@ -83,8 +83,8 @@ class RunnerClient:
                           buffer=reply["buffer"])
 
     def reference(self, texts: list[str], layers: list[int], pooling: str, trust_remote_code: bool = False) -> dict:
-        """The parity sample's Hugging Face vectors (`hf_runner.hf_reference`), computed in the engine's process,
-        which has torch and transformers loaded already."""
+        """The parity sample's Hugging Face vectors, computed in the engine's process (`VllmRunner.reference`),
+        which has torch and transformers loaded already and keeps the reference beside the engine."""
         return self._call("reference", list(texts), list(layers), pooling, trust_remote_code)[1].result()
 
     def reserve_host_buffers(self, prompts: int, layers: int, count: int, pooling: str = "last") -> None:

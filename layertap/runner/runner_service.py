@@ -77,9 +77,7 @@ def answer_calls(conn, runner, workers: Executor, on_call=None, extra_calls: dic
         return runner.host_buffers_allocated
 
     def reference(call_id: int, texts: list[str], layers: list[int], pooling: str, trust_remote_code: bool) -> dict:
-        from layertap.runner.hf_runner import hf_reference
-
-        return hf_reference(runner.options.model, texts, layers, pooling, trust_remote_code, runner.options.dtype)
+        return runner.reference(texts, layers, pooling, trust_remote_code)
 
     calls = {"extract": extract, "reserve": reserve, "reference": reference,
              "healthy": lambda call_id: runner.healthy(),

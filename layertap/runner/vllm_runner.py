@@ -41,6 +41,7 @@ from layertap.model.fingerprint import read_model_info
 from layertap.runner.base import POOLINGS, EngineActivity, Extraction
 from layertap.runner.engine_options import EngineOptions
 from layertap.runner import vllm_seam
+from layertap.runner.hf_runner import ParityReference
 from layertap.runner.host_buffers import HostBuffers, Segment
 from layertap.runner.pooler import sink_reference
 
@@ -144,6 +145,7 @@ class VllmRunner:
         self._activity = EngineActivity()
         self._idle_since: float | None = None  # set while the engine thread waits for work
         self._activity_lock = threading.Lock()
+        self.parity_reference = ParityReference(options.model, options.dtype)  # loaded when first asked
         self._thread = threading.Thread(target=self._serve, name="layertap-engine", daemon=True)
         self._thread.start()
 
@@ -347,6 +349,12 @@ class VllmRunner:
         if made:
             self._in_engine_thread(lambda: vllm_seam.call_workers(self.llm, "layertap_map_buffers", made))
 
+    def reference(self, texts: list[str], layers: list[int], pooling: str,
+                  trust_remote_code: bool = False) -> dict[int, np.ndarray]:
+        """The parity sample's Hugging Face vectors, computed in this process by the reference kept beside this
+        engine (`hf_runner.ParityReference`)."""
+        return self.parity_reference.vectors(texts, layers, pooling, trust_remote_code)
+
     def mapped_host_buffers(self) -> list[str]:
         """Paths of the host buffers the engine's copying worker has mapped."""
         return self._in_engine_thread(lambda: vllm_seam.call_workers(self.llm, "layertap_mapped_buffers"))[0]
@@ -390,6 +398,7 @@ class VllmRunner:
         except Exception:  # noqa: BLE001 - a failed engine's worker may not answer; its process may be gone
             log.debug("unmapping host buffers in the engine raised", exc_info=True)
         self._host.clear()
+        self.parity_reference.close()
         try:
             vllm_seam.shutdown(llm)
         except Exception:  # pragma: no cover - best effort on teardown

@@ -38,3 +38,36 @@ def test_weights_under_names_the_model_lacks_load_through_transformers(tiny_mode
     built = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     assert not _read_weights_into(built, sorted(renamed.glob("*.safetensors")))
     assert _read_weights_into(built, sorted(Path(tiny_model).glob("*.safetensors")))
+
+
+def test_a_reference_beside_an_engine_is_loaded_once_and_freed_when_it_closes(tiny_model):
+    """A small model's reference is kept between calls (a kept engine's later runs read no weights); asking
+    with another trust_remote_code loads it anew; closing frees it. Its vectors are transformers' own."""
+    from layertap.runner.hf_runner import HfRunner, ParityReference
+
+    expected = HfRunner(tiny_model, "float32")
+    reference = ParityReference(tiny_model, "float32")
+    for texts in (["a first prompt", "and a second"], ["another run's sample"]):
+        got = reference.vectors(texts, [0, 2], "last")
+        want = expected.extract(texts, [0, 2], "last").vectors
+        assert all(torch.equal(torch.from_numpy(got[k]), torch.from_numpy(want[k])) for k in (0, 2))
+    assert reference.loads == 1 and reference.loaded
+    reference.vectors(["x"], [1], "mean", trust_remote_code=True)
+    assert reference.loads == 2
+    reference.close()
+    assert not reference.loaded
+
+
+def test_a_reference_that_would_hold_much_host_memory_is_freed_after_each_call(tiny_model, monkeypatch):
+    """On the CPU a large model's reference (28 GB in float32 for a 7B model) is not kept; nor is a one-off's."""
+    from layertap.runner import hf_runner
+
+    monkeypatch.setattr(hf_runner, "KEEP_ON_HOST_BYTES", 0)  # the tiny model counts as large
+    reference = hf_runner.ParityReference(tiny_model, "float32")
+    reference.vectors(["a prompt"], [1], "last")
+    reference.vectors(["a prompt"], [1], "last")
+    assert reference.loads == 2 and not reference.loaded
+    monkeypatch.undo()
+    one_off = hf_runner.ParityReference(tiny_model, "float32", keep=False)
+    one_off.vectors(["a prompt"], [1], "last")
+    assert not one_off.loaded

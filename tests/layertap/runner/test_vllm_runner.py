@@ -255,6 +255,30 @@ def test_a_compiled_model_without_the_tap_is_refused(model_dirs, monkeypatch):
         llm.llm_engine.engine_core.shutdown()
 
 
+def test_the_parity_reference_stays_beside_its_engine_while_batches_run_and_goes_with_it(model_dirs, references):
+    """`reference` computes transformers' vectors in the engine's process while batches run, with one model
+    load for every call on that engine; closing the engine frees it."""
+    from layertap.runner.vllm_runner import EngineOptions, VllmRunner
+
+    runner = VllmRunner(EngineOptions(model=model_dirs["llama"], dtype=DTYPE, max_num_batched_tokens=STEP_TOKENS,
+                                      kv_cache_memory_bytes=64 * 2**20))
+    try:
+        layers = [0, 2, runner.num_layers]
+        with ThreadPoolExecutor(3) as pool:
+            batches = [pool.submit(runner.extract, varied_prompts(40, seed=50 + i), layers, "last") for i in (0, 1)]
+            for seed in (52, 53):  # two runs' samples
+                sample = varied_prompts(4, seed=seed)
+                got = runner.reference(sample, layers, "last")
+                want = references("llama").extract(sample, layers, "last").vectors
+                for layer in layers:
+                    np.testing.assert_allclose(got[layer], as_float32(want[layer]), rtol=0, atol=MAX_ABS_ERROR or 1e-2)
+            assert all(len(batch.result().kept) == 40 for batch in batches)
+        assert runner.parity_reference.loads == 1 and runner.parity_reference.loaded
+    finally:
+        runner.close()
+    assert not runner.parity_reference.loaded
+
+
 def test_an_engine_core_in_its_own_process_fills_shared_buffers_and_matches(model_dirs, references):
     """engine_process=True: the worker, in another process, copies vectors into buffers it maps by path;
     rows map back to their prompts across calls, poolings and layer sets."""
