@@ -1057,9 +1057,14 @@ def main() -> None:
     else:
         model_dir, build_s = args.model_dir or build_model_dir(root), None
     load_format = os.environ.get("BENCH_LOAD_FORMAT", "dummy")
+    from cpu_stages import machine  # imported here: the modes' own processes never load the store's code
+
     report = {
         "date": dt.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        # The host's CPU: the flow's host work (Parquet encoding, the engine's frontend) runs on it, plain
+        # generate's hardly, so flow ratios from hosts with other CPUs differ for that reason too.
+        "machine": machine(),
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "commit": os.environ.get("BENCH_COMMIT"),

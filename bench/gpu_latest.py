@@ -21,7 +21,7 @@ WORKLOADS = {"short": "4,096 prompts, ~18 tokens", "medium": "2,000 prompts, ~24
              "short100k": "100,000 prompts, ~18 tokens", "medium20k": "20,000 prompts, ~240 tokens"}
 MODES = {"vllm_plain": "vLLM plain generate", "layertap_runner": "layertap runner", "layertap": "flow",
          "layertap_float16": "flow, float16 stored"}
-RUN_KEYS = ("date", "gpu", "vllm", "torch", "commit", "model", "layers", "pooling", "batch_size",
+RUN_KEYS = ("date", "gpu", "machine", "vllm", "torch", "commit", "model", "layers", "pooling", "batch_size",
             "batches_in_flight", "passes_per_vllm_mode", "cold_modes")
 START = "<!-- gpu-latest:start (made by bench/gpu_latest.py) -->"
 END = "<!-- gpu-latest:end -->"
@@ -94,7 +94,9 @@ def table(latest: dict) -> str:
     model = latest.get("model") or {}
     commit = (latest.get("commit") or "")[:7]
     lines.append("")
-    lines.append(f"{latest.get('gpu')}, vLLM {latest.get('vllm')}, {latest.get('date')}, commit {commit}: "
+    host = latest.get("machine") or {}
+    cpu = f" ({host['nproc']} cores of {host['cpu_model']})" if host.get("cpu_model") else ""
+    lines.append(f"{latest.get('gpu')}{cpu}, vLLM {latest.get('vllm')}, {latest.get('date')}, commit {commit}: "
                  f"{model.get('shape', model.get('dir'))} in {model.get('dtype')} with {model.get('weights')}, "
                  f"{latest.get('layers')}, {latest.get('pooling')} token, batches of {latest.get('batch_size')}, "
                  f"{latest.get('batches_in_flight')} in flight; prompts/s with the ratio to plain generate. The "
