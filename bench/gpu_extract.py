@@ -531,7 +531,8 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
     started = {"startup_and_warmup_s": startup, "batch_size": BATCH, "batches_in_flight": IN_FLIGHT,
                "parity_sample": PARITY_SAMPLE, "store_dtype": store_dtype or "float32",
                "part_file_mb": load_settings(env_file=None).part_file_mb,
-               "engine_process": runner.engine_process, "runner_process": getattr(runner, "runner_process", False)}
+               "engine_process": runner.engine_process, "engine_core_start": runner.engine_core_start,
+               "runner_process": getattr(runner, "runner_process", False)}
 
     def measure(prompt_sets: list[list[str]], **overrides) -> dict:
         settings = {**common, **overrides}
@@ -688,7 +689,7 @@ def session_layertap_runner(model_dir: str, engine_process: bool | None = None):
     return {"startup_s": startup, "step_tokens": runner.step_tokens, "batch_size": BATCH,
             "batches_in_flight": IN_FLIGHT, "engine_options": overrides, **_engine_kind(runner.llm),
             "gpu_memory_utilization": config["gpu_memory_utilization"],
-            "engine_process": runner.engine_process}, measure
+            "engine_process": runner.engine_process, "engine_core_start": runner.engine_core_start}, measure
 
 
 def run_layertap_runner(model_dir: str, prompt_sets: list[list[str]], engine_process: bool | None = None) -> dict:

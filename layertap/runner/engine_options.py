@@ -33,8 +33,8 @@ class EngineOptions:
     load_format: str | None = None
     kv_cache_memory_bytes: int | None = None
     seed: int = 0
-    # vLLM's engine core in a process of its own, started by spawning (the same way vLLM starts it on a
-    # CPU), so a multi-threaded caller such as a Prefect worker is never forked. None: on a GPU only.
+    # vLLM's engine core in a process of its own, forked from a single-threaded process and spawned from a
+    # multi-threaded one such as a Prefect worker (`engine_core_start`). None: on a GPU only.
     engine_process: bool | None = None
     # The runner itself (vLLM's frontend: tokenising, adding requests, taking outputs) in a process of its
     # own, apart from the caller's Python (`runner_process`). None: on a GPU only.

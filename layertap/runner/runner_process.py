@@ -17,6 +17,7 @@ import signal
 import weakref
 
 from layertap.errors import EngineError
+from layertap.runner.engine_core_start import keep_out_of_forked_children
 from layertap.runner.engine_options import EngineOptions
 from layertap.runner.runner_client import RunnerClient, receive_info
 
@@ -111,9 +112,10 @@ def serve(conn, options: EngineOptions) -> None:
     from layertap.runner.runner_service import answer_calls, engine_info, freeze_startup_heap, start_failure
     from layertap.runner.vllm_runner import VllmRunner
 
-    # A process group of its own, which the engine core vLLM spawns joins: if this process dies, the caller
-    # stops the whole group.
+    # A process group of its own, which the engine core vLLM starts joins: if this process dies, the caller
+    # stops the whole group. A forked engine core must not keep the caller's pipe open after this process.
     os.setpgrp()
+    keep_out_of_forked_children(conn.fileno())
     try:
         runner = VllmRunner(options)
     except BaseException as exc:  # noqa: BLE001 - reported to the caller, which raises it

@@ -34,7 +34,8 @@ def engine_info(runner) -> dict[str, Any]:
     """What a caller learns about the engine when it connects."""
     return {"num_layers": runner.num_layers, "hidden_size": runner.hidden_size,
             "max_model_len": runner.max_model_len, "vllm_version": runner.vllm_version,
-            "engine_process": runner.engine_process, "step_tokens": runner.step_tokens,
+            "engine_process": runner.engine_process, "engine_core_start": runner.engine_core_start,
+            "step_tokens": runner.step_tokens,
             "compiled": runner.compiled, "capture_buffer_bytes": runner.capture_buffer_bytes,
             "host_buffers_allocated": runner.host_buffers_allocated,
             "frozen_heap_objects": gc.get_freeze_count()}

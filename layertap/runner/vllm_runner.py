@@ -39,6 +39,7 @@ from layertap.parts.bfloat16 import from_bits
 from layertap.errors import EngineError
 from layertap.model.fingerprint import read_model_info
 from layertap.runner.base import POOLINGS, EngineActivity, Extraction
+from layertap.runner.engine_core_start import engine_core_start
 from layertap.runner.engine_options import EngineOptions
 from layertap.runner import vllm_seam
 from layertap.runner.hf_runner import ParityReference
@@ -131,6 +132,8 @@ class VllmRunner:
         except Exception as exc:
             raise EngineError(f"vLLM could not start on {options.model}: {exc}") from exc
         self.max_model_len, self.step_tokens = vllm_seam.engine_limits(self.llm)
+        # "fork" or "spawn" (`engine_core_start`), None for an engine core in this process.
+        self.engine_core_start = engine_core_start() if self.engine_process else None
         self._tasks = vllm_seam.supported_tasks(self.llm)  # asked once, here: it calls into the engine
         self.capture_buffer_bytes = 0
         self._capture: tuple[tuple[int, ...], str] | None = None

@@ -25,6 +25,7 @@ from importlib.metadata import version as package_version
 from typing import TYPE_CHECKING, Any
 
 from layertap.errors import EngineError
+from layertap.runner.engine_core_start import choose_engine_core_start
 
 if TYPE_CHECKING:
     from layertap.runner.capture import CaptureSpec, LayerTap
@@ -164,14 +165,15 @@ def configure_logging_now() -> None:
 def start_engine(options: EngineOptions, engine_process: bool, gpu_memory_utilization: float, eager: bool):
     """vLLM's `LLM` for `options`, started as a pooling model whose workers carry `CaptureWorker`.
 
-    `engine_process`: vLLM's engine core in a process of its own (else in this one). `eager`: no
+    `engine_process`: vLLM's engine core in a process of its own (else in this one), forked from this one
+    where that is safe (`engine_core_start`). `eager`: no
     torch.compile; otherwise compiled without CUDA graphs, since the capture op reads each step's request
     boundaries in Python, which a replayed CUDA graph would skip (prefill steps are thousands of tokens,
     beyond vLLM's CUDA-graph sizes anyway).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
     if engine_process:
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        choose_engine_core_start()
     os.environ.setdefault("VLLM_CACHE_ROOT", compile_cache_root())
     if vllm_is_cpu_build():
         # The CPU build cannot load the ahead-of-time compiled model it saves ("'function' object has no

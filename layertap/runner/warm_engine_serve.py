@@ -16,6 +16,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 
 from layertap.errors import EngineError
+from layertap.runner.engine_core_start import keep_out_of_forked_children
 from layertap.runner.warm_engine import STARTS_LOG, STATUS_EVERY_S, WarmSpec, authkey, forget_engine
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def serve(directory: Path, key: str, engine_lock: int) -> int:
     changed = [name for name, value in spec.as_json().items() if now[name] != value]
     if changed:  # the model's files or layertap's code changed since the run asked for this engine
         raise EngineError(f"{', '.join(changed)} changed before the engine for {spec.options.model} started")
+    keep_out_of_forked_children(engine_lock)  # released when this process ends, not its engine core
     runner = VllmRunner(spec.options)
     freeze_startup_heap()
     started_at = time.time()

@@ -98,7 +98,8 @@ def test_closing_stops_the_child_and_removes_its_buffers(model_dirs):
 
 
 def test_a_child_that_dies_fails_its_waiting_callers_takes_its_engine_core_along_and_is_unhealthy(model_dirs):
-    """The child's engine core in a process of its own (as on a GPU): killing the child leaves no core behind.
+    """The child's engine core in a process of its own (as on a GPU): killing the child leaves no core behind,
+    and a forked core holds nothing that keeps the caller from seeing the child go.
     Eager, like every lifecycle test: compiling adds seconds to the start and nothing to what is checked."""
     import psutil
 
@@ -106,6 +107,8 @@ def test_a_child_that_dies_fails_its_waiting_callers_takes_its_engine_core_along
     try:
         started = psutil.Process(runner.pid).children(recursive=True)  # the engine core and vLLM's helpers
         assert any("EngineCore" in process.name() for process in started), [p.name() for p in started]
+        # The child runs one thread while its engine starts: the core is forked, except where vLLM spawns it.
+        assert runner.engine_core_start == ("spawn" if vllm_is_cpu_build() else "fork")
         failure: list[BaseException] = []
 
         def call():
