@@ -96,12 +96,7 @@ class EngineActor:
         """Hugging Face's vectors for the parity sample, computed here so the flow never loads torch."""
         from layertap.runner.engine_cache import get_runner
 
-        runner = get_runner(self.settings)
-        if hasattr(runner, "reference"):
-            return runner.reference(texts, layers, pooling, trust_remote_code)
-        from layertap.runner.hf_runner import hf_reference
-
-        return hf_reference(self.settings.model, texts, layers, pooling, trust_remote_code)
+        return get_runner(self.settings).reference(texts, layers, pooling, trust_remote_code)
 
     def activity(self):
         from layertap.runner.engine_cache import engine_activity
