@@ -15,7 +15,7 @@ import os
 import threading
 
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"  # vLLM's own switch, read when it starts the engine core
-_chosen: list[str] = []  # what this process last wrote there (any other value is the user's, and kept)
+_chosen: list[str] = []  # what this process has written there (any other value is the user's, and kept)
 
 
 def choose_engine_core_start() -> str:
