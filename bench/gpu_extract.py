@@ -440,8 +440,7 @@ class PhaseTimes:
     in the flow's own steps, which run one after another on the flow's thread (`_extracted` is the wait for
     a batch's extraction). Says what bounds it."""
 
-    FLOW_STEPS = ("ingest", "normalise", "register_extraction", "plan", "_extracted", "publish_batches",
-                  "validate_store")
+    FLOW_STEPS = ("ingest", "normalise", "register_extraction", "plan", "_extracted", "validate_store")
 
     def __enter__(self):
         import threading

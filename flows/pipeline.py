@@ -95,8 +95,8 @@ class _TaskStages:
         # the flow's thread (~0.1 s per batch of 1024).
         return validate_batch.submit(self.store, quote(part), self.run, parity=first)
 
-    def publish(self, ready: list[tuple[WorkBatch, Part]]) -> list[dict]:
-        return publish_batches(self.store, quote([part for _, part in ready]))
+    def publish(self, ready: list[tuple[WorkBatch, Part]]):
+        return publish_batches.submit(self.store, quote([part for _, part in ready]))
 
     def quarantine(self, batch: WorkBatch, error: str) -> dict:
         return quarantine_batch(self.store, batch, error)

@@ -7,10 +7,12 @@ anything `Stages.concurrent` turns into one. So the flow wires its tasks in, and
 with plain thread-pool futures.
 
 At most `in_flight` extractions run at once (each holds its vectors in host memory until written). The
-loop waits for whichever comes first, the oldest extraction or the oldest part's checks. A finished
-extraction frees its slot for the next batch at once, so the engine never waits on the loop's own steps;
-its part's checks then run beside it. Checked parts are published in batch order, all that are waiting in
-one call: when publishing is slow the loop publishes fewer, larger groups instead of falling behind.
+loop waits for whichever comes first: the oldest extraction, the oldest part's checks, or the publication
+under way. A finished extraction frees its slot for the next batch at once; its part's checks then run
+beside it. The loop itself never blocks on a stage, so a slot is refilled as soon as it frees, while checks
+and a publication are still running. Checked parts are published in batch order, one publication at a time,
+each taking every part whose checks have passed by then: when publishing is slow the loop publishes fewer,
+larger groups instead of falling behind.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class Stages(Protocol):
     def check(self, batch: Any, part: Any, first: bool) -> Any:
         """Start the part's checks (`first`: the run's first extracted part); their future."""
 
-    def publish(self, ready: list[tuple[Any, Any]]) -> list[Any]:
-        """Publish checked parts, in batch order, at once; one result for each."""
+    def publish(self, ready: list[tuple[Any, Any]]) -> Any:
+        """Start publishing checked parts, in batch order, at once; its future, whose result has one entry
+        for each."""
 
     def quarantine(self, batch: Any, error: str) -> Any:
         """Set a failed batch aside; the record the run reports."""
@@ -78,7 +81,7 @@ class BatchLoop:
     starts and after every batch that ends (quarantined or published). An extraction error of a `fatal`
     type stops the loop at once (the store's disk or the model, not the batch); any other sets the batch
     aside, unless the first `stop_after` batches all failed: then `EngineError`. A part that fails its
-    checks raises once the parts before it are published.
+    checks raises once the parts before it are published; any error waits for the publication under way.
     """
 
     def __init__(
@@ -100,21 +103,39 @@ class BatchLoop:
         self._waiting: deque = deque(self.batches)
         self._extracting: deque = deque()  # (batch, future), in batch order
         self._checking: deque = deque()  # (batch, part, future), in batch order
+        self._publishing: tuple[list, Any] | None = None  # ([(batch, part)], future) under way
+        self._failed_check: BaseException | None = None  # raised once the publication before it is done
 
     def run(self) -> LoopResult:
         if self.batches:
             self.progress(self.result)  # extraction starts: a bar appears at 0
-        self._fill()
-        while self._extracting or self._checking:
-            heads = [queue[0][-1] for queue in (self._extracting, self._checking) if queue]
-            wait([self.stages.concurrent(future) for future in heads], return_when=FIRST_COMPLETED)
-            while self._extracting and self.stages.concurrent(self._extracting[0][1]).done():
-                self._take(*self._extracting.popleft())
-            if self._checking and self.stages.concurrent(self._checking[0][2]).done():
-                self._publish_checked()
+        try:
+            self._fill()
+            while self._extracting or self._checking or self._publishing:
+                heads = [self._extracting[0][1]] if self._extracting else []
+                if self._publishing:  # checks that end meanwhile wait for it: the next publication takes them
+                    heads.append(self._publishing[1])
+                elif self._checking:
+                    heads.append(self._checking[0][2])
+                wait([self.stages.concurrent(future) for future in heads], return_when=FIRST_COMPLETED)
+                while self._extracting and self._done(self._extracting[0][1]):
+                    self._take(*self._extracting.popleft())
+                if self._publishing and self._done(self._publishing[1]):
+                    self._published()
+                if not self._publishing and self._checking and self._done(self._checking[0][2]):
+                    self._publish_checked()
+        except BaseException:
+            if self._publishing is not None:  # the store is left as that publication leaves it
+                wait([self.stages.concurrent(self._publishing[1])])
+            raise
         return self.result
 
+    def _done(self, future: Any) -> bool:
+        return self.stages.concurrent(future).done()
+
     def _fill(self) -> None:
+        if self._failed_check is not None:
+            return  # the run stops once the parts before that one are published
         while self._waiting and len(self._extracting) < self.in_flight:
             batch = self._waiting.popleft()
             self._extracting.append((batch, self.stages.extract(batch)))
@@ -127,6 +148,7 @@ class BatchLoop:
             raise  # every later batch would fail the same way
         except Exception as exc:  # noqa: BLE001 - retries are spent: set the batch aside, go on
             error = " ".join(f"{type(exc).__name__}: {exc}".split())
+            self._settle_publication()  # the store takes one write at a time from this loop
             result.quarantined.append(self.stages.quarantine(batch, error))
             result.prompts_done += self.size(batch)
             self.progress(result)  # the last batch to finish may be this one: the bar must still end
@@ -139,21 +161,36 @@ class BatchLoop:
         result.extracted += 1
 
     def _publish_checked(self) -> None:
-        """Every part waiting, in batch order, once checked; up to the first that fails its checks, whose
-        error is raised after the parts before it are published."""
-        ready, failure = [], None
-        while self._checking:
+        """Start publishing every part whose checks have passed, in batch order, up to the first whose checks
+        have not ended or failed; a failure is raised once the parts before it are published."""
+        ready = []
+        while self._checking and self._done(self._checking[0][2]):
             batch, part, checked = self._checking.popleft()
             try:
                 checked.result()
             except Exception as exc:  # noqa: BLE001 - raised once the parts before it are published
-                failure = exc
+                self._failed_check = exc
+                self._checking.clear()
                 break
             ready.append((batch, part))
         if ready:
-            for (batch, part), published in zip(ready, self.stages.publish(ready), strict=True):
-                self.result.published.append(Published(batch, part, published))
-                self.result.prompts_done += self.size(batch)
-            self.progress(self.result)
-        if failure is not None:
-            raise failure
+            self._publishing = (ready, self.stages.publish(ready))
+        elif self._failed_check is not None:
+            raise self._failed_check
+
+    def _published(self) -> None:
+        """Record the publication under way, now ended (raising its error); then a failed check's error."""
+        ready, future = self._publishing
+        self._publishing = None
+        for (batch, part), published in zip(ready, future.result(), strict=True):
+            self.result.published.append(Published(batch, part, published))
+            self.result.prompts_done += self.size(batch)
+        self.progress(self.result)
+        if self._failed_check is not None:
+            raise self._failed_check
+
+    def _settle_publication(self) -> None:
+        """Wait for the publication under way, if any, and record it."""
+        if self._publishing is not None:
+            wait([self.stages.concurrent(self._publishing[1])])
+            self._published()

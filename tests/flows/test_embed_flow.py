@@ -331,29 +331,33 @@ def record_flow_steps(monkeypatch, events: list, publish_delay: float = 0.0) -> 
     """Record, in order, each batch's submission to the engine, the submission of its part's checks, and the
     publications (one event per publish task run, naming its batches); optionally make publishing slow."""
     import flows.pipeline as pipeline
+    from layertap.store.store_db import StoreDB
 
     class Recorded:
         def __init__(self, name, task):
             self.name, self.task = name, task
 
         def submit(self, store, *args, **kwargs):
-            batch = args[1] if self.name == "submit" else args[0].unquote()  # parts are quoted
-            events.append((self.name, batch.batch_id))
+            if self.name == "publish":
+                events.append(("publish", tuple(part.batch_id for part in args[0].unquote())))
+            else:
+                batch = args[1] if self.name == "submit" else args[0].unquote()  # parts are quoted
+                events.append((self.name, batch.batch_id))
             return self.task.submit(store, *args, **kwargs)
 
         def with_options(self, **options):
             return self.task.with_options(**options)
 
-    real_publish = pipeline.publish_batches
+    real_publish = StoreDB.publish
 
-    def recorded_publish(store, parts):
-        events.append(("publish", tuple(part.batch_id for part in parts.unquote())))
+    def slow_publish(self, publications):
         time.sleep(publish_delay)  # the fault: a store that answers slowly
-        return real_publish(store, parts)
+        return real_publish(self, publications)
 
     monkeypatch.setattr(pipeline, "extract_batch", Recorded("submit", pipeline.extract_batch))
     monkeypatch.setattr(pipeline, "validate_batch", Recorded("validate", pipeline.validate_batch))
-    monkeypatch.setattr(pipeline, "publish_batches", recorded_publish)
+    monkeypatch.setattr(pipeline, "publish_batches", Recorded("publish", pipeline.publish_batches))
+    monkeypatch.setattr(StoreDB, "publish", slow_publish)
 
 
 def test_the_next_batch_is_submitted_before_the_last_one_is_published(run, tmp_path, monkeypatch):

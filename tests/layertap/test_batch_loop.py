@@ -30,8 +30,10 @@ class Disk(Exception):
 class Stages:
     """Records what the loop asked for and when; extraction and checks run on a thread pool."""
 
-    def __init__(self, pool, fail=(), fail_check=(), fatal=(), delay=lambda batch: 0.0, publish_delay=0.0):
+    def __init__(self, pool, fail=(), fail_check=(), fatal=(), delay=lambda batch: 0.0, publish_delay=0.0,
+                 fail_publish=(), check_delay=lambda batch: 0.0):
         self.pool, self.fail, self.fail_check, self.fatal = pool, set(fail), set(fail_check), set(fatal)
+        self.fail_publish, self.check_delay = set(fail_publish), check_delay
         self.delay, self.publish_delay = delay, publish_delay
         self.events: list[tuple[str, object]] = []
         self.outstanding = self.most_outstanding = 0
@@ -66,14 +68,23 @@ class Stages:
         self._record("check", batch["id"], first)
 
         def body():
+            time.sleep(self.check_delay(batch))
             if batch["id"] in self.fail_check:
                 raise ValueError(f"part {batch['id']} has NaN")
+            self._record("checked", batch["id"])
         return Handle(self.pool.submit(body))
 
     def publish(self, ready):
-        time.sleep(self.publish_delay)
-        self._record("publish", tuple(batch["id"] for batch, _ in ready))
-        return [{"published": batch["n"]} for batch, _ in ready]
+        ids = tuple(batch["id"] for batch, _ in ready)
+        self._record("publish", ids)
+
+        def body():
+            time.sleep(self.publish_delay)
+            if set(ids) & self.fail_publish:
+                raise OSError("the store's database is read-only")
+            self._record("published", ids)
+            return [{"published": batch["n"]} for batch, _ in ready]
+        return Handle(self.pool.submit(body))
 
     def quarantine(self, batch, error):
         self._record("quarantine", batch["id"])
@@ -150,6 +161,30 @@ def test_parts_checked_while_the_loop_was_busy_are_published_in_one_call(pool):
     stages = Instant(pool)
     BatchLoop(stages, planned(4), in_flight=4, size=lambda batch: batch["n"]).run()
     assert stages.named("publish") == [(0, 1, 2, 3)]
+
+
+def test_a_freed_slot_is_refilled_while_a_publication_is_under_way(pool):
+    stages = Stages(pool, publish_delay=0.3, delay=lambda batch: 0.05)
+    result = BatchLoop(stages, planned(4), in_flight=1, size=lambda batch: batch["n"]).run()
+    order = [event[:2] for event in stages.events]
+    assert order.index(("extract", 2)) < order.index(("published", (0,)))  # submitted during batch 0's publication
+    assert stages.published() == [0, 1, 2, 3] and result.batches_done == 4
+
+
+def test_a_part_still_being_checked_does_not_hold_back_the_parts_before_it(pool):
+    stages = Stages(pool, check_delay=lambda batch: {0: 0.05, 1: 0.3}.get(batch["id"], 0.0))
+    BatchLoop(stages, planned(4), in_flight=1, size=lambda batch: batch["n"]).run()
+    order = [event[:2] for event in stages.events]
+    assert order.index(("published", (0,))) < order.index(("checked", 1))
+    assert stages.published() == [0, 1, 2, 3]
+
+
+def test_a_failed_publication_stops_the_run_with_its_error(pool):
+    stages = Stages(pool, fail_publish={1}, delay=lambda batch: 0.02 * batch["id"])
+    loop, _ = loop_for(stages, planned(6), in_flight=1)
+    with pytest.raises(OSError, match="read-only"):
+        loop.run()
+    assert stages.named("published") == [(0,)] and loop.result.batches_done == 1
 
 
 def test_a_failing_batch_is_set_aside_and_every_other_batch_published(pool):
