@@ -157,7 +157,8 @@ class BatchLoop:
             self._fill()
             return
         self._fill()
-        self._checking.append((batch, part, self.stages.check(batch, part, result.extracted == 0)))
+        if self._failed_check is None:  # else the run stops before this part could be published
+            self._checking.append((batch, part, self.stages.check(batch, part, result.extracted == 0)))
         result.extracted += 1
 
     def _publish_checked(self) -> None:
