@@ -506,6 +506,8 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
     t0 = time.perf_counter()
     import shutil
 
+    from layertap import Store  # first, as the product's entry points import it: it picks Arrow's memory pool
+
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
@@ -513,7 +515,6 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.cli import run_flow
     from flows.embed import embed_flow
-    from layertap import Store
     from layertap.runner import engine_cache
     from layertap.settings import load_settings
 
@@ -939,6 +940,7 @@ def _finished(result: dict, prompts: list[str]) -> dict:
     result["switch_interval_s"] = sys.getswitchinterval()
     if "layertap.parts.writer" in sys.modules:
         result["encoder_threads"] = sys.modules["layertap.parts.writer"].encoder_threads()
+        result["arrow_memory_pool"] = sys.modules["pyarrow"].default_memory_pool().backend_name
     result["tokens"] = sum(len(p.encode()) + 1 for p in prompts)  # byte-level tokenizer + BOS
     if result["status"] == "ok":
         result["prompts_per_s"] = result["prompts"] / result["seconds"]

@@ -57,7 +57,8 @@ class StandInRunner:
         vectors, segment = self.pool.take((len(layers), len(texts), self.hidden_size), self.dtype)
         if segment.path not in self.filled:
             whole = segment.tensor[: segment.nbytes() // self.dtype.itemsize * self.dtype.itemsize].view(self.dtype)
-            whole.copy_(torch.randn(whole.shape).to(self.dtype))
+            for chunk in whole.split(1 << 20):  # a MiB of values at a time: the fill's own temporaries stay
+                chunk.copy_(torch.randn(chunk.shape))  # small beside the flow's memory being measured
             self.filled.add(segment.path)
         stacked = _as_numpy(vectors)
         return Extraction({layer: stacked[j] for j, layer in enumerate(layers)}, list(range(len(texts))),
@@ -95,16 +96,21 @@ def main() -> int:
     parser.add_argument("--busy", type=int, default=None,
                         help="threads computing in Python beside the flow, as vLLM's engine loop does in-process "
                              "(the report is saved as host_side_memory-busy<N>-<date>.json)")
+    parser.add_argument("--encoders", type=int, default=None,
+                        help="Parquet encoder threads (default: one per core), e.g. a GPU host's 16 on a smaller CPU")
     parser.add_argument("--no-save", action="store_true", help="print only; do not write bench/results/")
     args = parser.parse_args()
 
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
-    import layertap.batch as extract_task
     from flows.embed import embed_flow
     from layertap.runner import engine_cache
     from layertap.model.tiny_model import build_tiny_model
+    from layertap.parts import writer
+
+    if args.encoders:
+        writer.limit_encoder_threads(args.encoders)
 
     work = Path(tempfile.mkdtemp(prefix="layertap-host-side-"))
     # The stand-in never runs the model: a tiny one whose config claims the 7B shape fixes layers and width.
@@ -114,7 +120,7 @@ def main() -> int:
     config.update(hidden_size=LLAMA2_7B["hidden_size"], num_hidden_layers=LLAMA2_7B["num_hidden_layers"])
     (model / "config.json").write_text(json.dumps(config))
     runner = StandInRunner(LLAMA2_7B["num_hidden_layers"], LLAMA2_7B["hidden_size"], args.dtype)
-    extract_task.get_runner = lambda settings: runner  # the engine boundary
+    engine_cache._start = lambda settings: runner  # the engine boundary: every start gets the stand-in
 
     prompts = make_prompts("short100k")[: args.prompts]
     data, warm = work / "prompts.csv", work / "warm.csv"
@@ -144,13 +150,15 @@ def main() -> int:
             tracemalloc.stop()
     report = {"date": dt.date.today().isoformat(), "machine": machine(), "command": "python " + " ".join(sys.argv),
               "vectors": f"{LLAMA2_7B['num_hidden_layers'] + 1} layers x {LLAMA2_7B['hidden_size']} {args.dtype}",
-              "prompts": args.prompts, "busy_threads": args.busy or 0, "embedded": summary["embedded"],
+              "prompts": args.prompts, "busy_threads": args.busy or 0, "encoder_threads": writer.encoder_threads(),
+              "embedded": summary["embedded"],
               "batches": summary["batches"],
               "seconds": round(seconds, 1), "memory_before_gib": before, "memory_after_gib": after,
               "anon_growth_mb_per_batch": round((after["anon"] - before["anon"]) * 1024 / summary["batches"], 2),
               "task_phase_seconds_summed_over_batches": phases.seconds,
               "flow_step_seconds_on_flow_thread": phases.flow_steps,
-              "peak_rss_gib": rss.peak, "timeline_gib": rss.timeline, "glibc_after": _glibc(),
+              "peak_rss_gib": rss.peak, "memory_at_peak_gib": rss.at_peak, "timeline_gib": rss.timeline,
+              "glibc_after": _glibc(),
               "python_allocations_over_the_run": python_growth}
     print(json.dumps({k: v for k, v in report.items() if k != "timeline_gib"}, indent=1))
     if not args.no_save:

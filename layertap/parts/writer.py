@@ -29,8 +29,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layertap import faults
-from layertap.parts import background
-from layertap.parts.bfloat16 import is_bfloat16, to_float32
+from layertap.parts import allocators, background
+from layertap.parts.bfloat16 import Widener, is_bfloat16, to_float32
 from layertap.file_modes import create_file, make_dirs
 from layertap.parts.layer_views import stacked_view
 from layertap.settings import DTYPE_BYTES
@@ -74,12 +74,25 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _stored(array: np.ndarray, dtype: str) -> np.ndarray:
-    """`array` in the type it is stored as (no copy when it already is); bfloat16 is widened exactly first."""
+def _stored(array: np.ndarray, dtype: str, widen: Widener | None = None) -> np.ndarray:
+    """`array` in the type it is stored as (no copy when it already is); bfloat16 is widened exactly first,
+    by `widen` if given (into its buffer), else into a new array."""
     if is_bfloat16(array):
-        wide = to_float32(array)
+        wide = widen(array) if widen is not None else to_float32(array)
         return wide if _STORAGE[dtype] == np.float32 else wide.astype(_STORAGE[dtype])
     return np.ascontiguousarray(array, dtype=_STORAGE[dtype])
+
+
+_WIDENERS = threading.local()
+
+
+def _thread_widener() -> Widener:
+    """This thread's `Widener`: a row group's layers are widened into it, encoded, and freed before the same
+    thread widens the next group, so one buffer per encoding thread serves every group it writes."""
+    widener = getattr(_WIDENERS, "widener", None)
+    if widener is None:
+        widener = _WIDENERS.widener = Widener()
+    return widener
 
 
 def _converted(array: np.ndarray, dtype: str) -> bool:
@@ -102,24 +115,29 @@ def _vectors_column(stored: np.ndarray) -> pa.FixedSizeListArray:
     return pa.FixedSizeListArray.from_arrays(pa.array(stored.reshape(-1)), type=kind)
 
 
-def _layer_columns(vectors: dict[int, np.ndarray], dtype: str) -> list[tuple[int, pa.Array]]:
+def _layer_columns(
+    vectors: dict[int, np.ndarray], dtype: str, widen: Widener | None = None
+) -> list[tuple[int, pa.Array]]:
     """Each layer's column, in layer order, in the type it is stored as.
 
     Layers that must be converted (bfloat16 ones) and lie in one host buffer (`layer_views`) are converted
-    in one numpy call and wrapped as one Arrow array, each layer's column a slice of it: every numpy or Arrow
-    call gives Python's lock up and waits to take it back, milliseconds each beside threads computing in
-    Python, so a call per layer cost a file ~0.3 s of waiting (bench/write_parts.py)."""
+    in one numpy call (into `widen`'s buffer if given: the columns must then be encoded before it widens
+    again) and wrapped as one Arrow array, each layer's column a slice of it: every numpy or Arrow call gives
+    Python's lock up and waits to take it back, milliseconds each beside threads computing in Python, so a
+    call per layer cost a file ~0.3 s of waiting (bench/write_parts.py)."""
     layers = sorted(vectors)
     arrays = [vectors[layer] for layer in layers]
     converting = _converted(arrays[0], dtype)
     together = stacked_view(arrays) if converting else None
     if together is None:
         return [(layer, _vectors_column(_stored(array, dtype))) for layer, array in zip(layers, arrays)]
-    column, rows = _vectors_column(_stored(together, dtype)), together.shape[1]
+    column, rows = _vectors_column(_stored(together, dtype, widen)), together.shape[1]
     return [(layer, column.slice(j * rows, rows)) for j, layer in enumerate(layers)]
 
 
-def _part_table(prompt_hashes: list[str], vectors: dict[int, np.ndarray], dtype: str) -> pa.Table:
+def _part_table(
+    prompt_hashes: list[str], vectors: dict[int, np.ndarray], dtype: str, widen: Widener | None = None
+) -> pa.Table:
     """prompt_hash plus one fixed_size_list<float, H> column per layer, in layer order (shapes checked by
     the caller).
 
@@ -127,7 +145,7 @@ def _part_table(prompt_hashes: list[str], vectors: dict[int, np.ndarray], dtype:
     vectors' floats, which makes encoding about a fifth cheaper (bench/write_parts.py)."""
     fields = [pa.field("prompt_hash", pa.string(), nullable=False)]
     columns = [pa.array(prompt_hashes, pa.string())]
-    for layer, column in _layer_columns(vectors, dtype):
+    for layer, column in _layer_columns(vectors, dtype, widen):
         fields.append(pa.field(layer_column(layer), column.type, nullable=False))
         columns.append(column)
     return pa.Table.from_arrays(columns, schema=pa.schema(fields))
@@ -184,7 +202,9 @@ def write_part(
         if not _SAFE_NAME.match(name):
             raise ValueError(f"not a safe file name: {name!r}")
     _check_shapes(len(prompt_hashes), vectors, dtype)
-    tables = (_part_table(prompt_hashes[a:b], {layer: v[a:b] for layer, v in vectors.items()}, dtype)
+    # Row groups are converted one at a time into this thread's buffer, each encoded before the next.
+    widen = _thread_widener()
+    tables = (_part_table(prompt_hashes[a:b], {layer: v[a:b] for layer, v in vectors.items()}, dtype, widen)
               for a, b in _row_groups(len(prompt_hashes), vectors, dtype))
     table = next(tables)
     root = Path(store_dir)
@@ -241,10 +261,12 @@ def encoder_threads() -> int:
 
 
 def _encoders() -> ThreadPoolExecutor:
-    """One pool for the process, so batches written at once share the cores instead of oversubscribing them."""
+    """One pool for the process, so batches written at once share the cores instead of oversubscribing them;
+    made with the process's large blocks mapped and unmapped each time (`allocators`)."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
+            allocators.fix_mmap_threshold()
             _POOL = ThreadPoolExecutor(encoder_threads(), thread_name_prefix="layertap-parquet",
                                        initializer=background.lower_this_thread)
         return _POOL

@@ -9,6 +9,7 @@ import torch
 from layertap.parts.bfloat16 import (
     BFLOAT16,
     EXPONENT_PATTERN,
+    Widener,
     as_float32,
     bits,
     from_bits,
@@ -32,6 +33,25 @@ def test_widening_gives_torch_s_own_float32_values_for_whole_arrays_and_slices()
     np.testing.assert_array_equal(as_float32(got), expected)
     assert as_float32(expected) is expected  # float32 passes through without a copy
     assert np.isnan(to_float32(patterns(torch.tensor([float("nan")])))).all()
+
+
+def test_a_widener_reuses_its_buffer_and_every_result_is_exact():
+    """Widened in one buffer, call after call: a smaller array after a larger one, then another larger one, each
+    exact, though a call only ever writes high halves (the low halves stay the zeros the buffer was made with)."""
+    widen = Widener()
+    arrays = [torch.randn(3, 5, 8) * 1000, torch.randn(2, 3) * 1e-30, torch.randn(4, 7, 8) * -7]
+    arrays[1][0, 0] = float("inf")
+    results = []
+    for values in arrays:
+        got = widen(patterns(values))
+        np.testing.assert_array_equal(got, values.to(torch.bfloat16).float().numpy())
+        results.append(got)
+    assert np.shares_memory(results[0], results[1])  # the smaller array went into the same buffer
+    assert not np.shares_memory(results[1], results[2])  # a larger one needed a larger buffer
+    strided = patterns(torch.randn(6, 10))[1:4, 3:9]
+    np.testing.assert_array_equal(widen(strided), to_float32(strided))
+    assert np.shares_memory(widen(strided), results[2])
+    assert widen(patterns(torch.zeros(0, 4))).shape == (0, 4)
 
 
 def test_rows_are_checked_on_the_patterns():

@@ -82,7 +82,8 @@ def test_bfloat16_vectors_are_widened_exactly_one_row_group_at_a_time(tmp_path, 
 
 def test_layers_of_one_host_buffer_are_widened_together_and_stored_as_if_apart(tmp_path, monkeypatch):
     """A runner hands a batch's layers over as views of one [layers, rows, hidden] buffer: they are
-    converted in one numpy call (row group by row group), and the file holds what separate arrays give."""
+    converted in one numpy call (row group by row group, into the encoding thread's reused buffer), and the
+    file holds what separate arrays give."""
     from layertap.parts import writer
     from layertap.parts.bfloat16 import from_bits, to_float32
     from layertap.parts.layer_views import stacked_view
@@ -97,12 +98,14 @@ def test_layers_of_one_host_buffer_are_widened_together_and_stored_as_if_apart(t
     for j, (layer, offset) in enumerate(zip(layers, (0, 1, 3))):
         uneven[offset] = buffer[j]
         apart[layer] = uneven[offset]
-    calls = []
+    calls, widened = [], []
     monkeypatch.setattr(writer, "to_float32", lambda a: calls.append(a.shape) or to_float32(a))
+    widen = writer._thread_widener()
+    monkeypatch.setattr(writer, "_thread_widener", lambda: lambda a: widened.append(widen(a)) or widened[-1])
     monkeypatch.setattr(writer, "CONVERTED_ROW_GROUP_BYTES", 5 * 3 * 6 * 4)  # five rows of three layers
     one = pq.read_table(tmp_path / write_part(tmp_path, "e", "together", hashes, together, "bfloat16"))
-    assert calls == [(3, 5, 6), (3, 5, 6)]  # every layer at once, per row group
-    calls.clear()
+    assert [a.shape for a in widened] == [(3, 5, 6), (3, 5, 6)] and not calls  # every layer at once, per group
+    assert np.shares_memory(widened[0], widened[1])  # the second group reused the first one's buffer
     other = pq.read_table(tmp_path / write_part(tmp_path, "e", "apart", hashes, apart, "bfloat16"))
     assert calls == [(5, 6)] * 6  # unevenly spaced: one call per layer and row group
     assert one.equals(other)
