@@ -532,7 +532,7 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
                "parity_sample": PARITY_SAMPLE, "store_dtype": store_dtype or "float32",
                "part_file_mb": load_settings(env_file=None).part_file_mb,
                "engine_process": runner.engine_process, "engine_core_start": runner.engine_core_start,
-               "runner_process": getattr(runner, "runner_process", False), "engine_cores": _engine_cores_now()}
+               "runner_process": getattr(runner, "runner_process", False)}
 
     def measure(prompt_sets: list[list[str]], **overrides) -> dict:
         settings = {**common, **overrides}
@@ -612,8 +612,7 @@ def session_layertap_float16(model_dir: str):
 
 def session_layertap_variants(model_dir: str):
     """The flow on one engine, once per variant in `BENCH_VARIANTS` (a JSON list of settings to change, each
-    with a "name", "encoder_threads" for the flow's Parquet encoders and "engine_cores" for the physical
-    cores the engine's processes keep, 0 for none: `_place_engine`; default: as is, without the parity
+    with a "name", and "encoder_threads" for the flow's Parquet encoders; default: as is, without the parity
     sample, with 3 batches in flight, with 8 encoders, and as is again): what each costs in speed and memory,
     measured on one machine and one engine."""
     variants = json.loads(os.environ.get("BENCH_VARIANTS") or json.dumps(
@@ -622,58 +621,20 @@ def session_layertap_variants(model_dir: str):
     started, measure = session_layertap(model_dir)
 
     def measure_variants(prompt_sets: list[list[str]]) -> dict:
-        from layertap import engine_cores
-        from layertap.runner import engine_cache
         from layertap.parts.writer import encoder_threads, limit_encoder_threads
 
-        runner = next(iter(engine_cache._runners.values()))
-        default_cores = engine_cores.ENGINE_CORES
+        every_core = encoder_threads()
         results = {}
         for variant in variants:
-            bench_only = ("name", "encoder_threads", "engine_cores")
-            overrides = {k: v for k, v in variant.items() if k not in bench_only}
-            placed = _place_engine(runner, variant.get("engine_cores", default_cores))
-            host = placed["host_cpus"] or sorted(os.sched_getaffinity(0))
-            limit_encoder_threads(variant.get("encoder_threads", len(host)))
+            overrides = {k: v for k, v in variant.items() if k not in ("name", "encoder_threads")}
+            limit_encoder_threads(variant.get("encoder_threads", every_core))
             results[variant["name"]] = {"settings": overrides, "encoder_threads": encoder_threads(),
-                                        "engine_cores": placed, **measure(prompt_sets, **overrides)}
+                                        **measure(prompt_sets, **overrides)}
             print(variant["name"], round(results[variant["name"]]["seconds"], 2), "s", flush=True)
         first = next(iter(results.values()))
         return {"seconds": first["seconds"], "variants": results}
 
     return started, measure_variants
-
-
-def _engine_cores_now() -> dict:
-    """The machine's physical cores (as hardware-thread groups) and the CPUs the engine's processes and the
-    host threads got (`layertap.engine_cores`)."""
-    from layertap import engine_cores
-
-    split = engine_cores.core_split()
-    return {"physical_cores": [list(c) for c in engine_cores.physical_cores(set(os.sched_getaffinity(0)))],
-            "engine_cores": engine_cores.ENGINE_CORES, "engine_cpus": sorted(split.engine) if split else None,
-            "host_cpus": sorted(split.host) if split else None}
-
-
-def _place_engine(runner, count: int) -> dict:
-    """Give the engine's processes `count` physical cores of their own (0: none, every thread anywhere), as
-    the product does with `engine_cores.ENGINE_CORES` = count, on the engine already up: its process tree and
-    this process's checking threads are moved, and the encoders' pool is made again for the new share."""
-    import threading
-
-    from layertap import engine_cores
-
-    engine_cores.ENGINE_CORES = count
-    engine_cores.core_split.cache_clear()
-    split = engine_cores.core_split()
-    every = set(os.sched_getaffinity(0))  # this (main) thread is never moved
-    if getattr(runner, "pid", None):  # a runner in a process of its own
-        engine_cores.pin_process_tree(runner.pid, split.engine if split else every)
-    for thread in threading.enumerate():
-        if thread.name.startswith(("layertap-check", "layertap-parquet")):
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(thread.native_id, split.host if split else every)
-    return _engine_cores_now()
 
 
 def _extract_and_release(runner, prompts: list[str], layers: list[int]) -> int:

@@ -12,17 +12,13 @@ from __future__ import annotations
 import os
 import threading
 
-from layertap import engine_cores
-
 # The nice value part writers and checkers run at (0 leaves them at the process's own priority).
 BACKGROUND_NICE = 10
 
 
 def lower_this_thread() -> None:
-    """Lower the calling thread's CPU priority to `BACKGROUND_NICE` (Linux sets priority per thread) and keep
-    it off the cores an engine process keeps (`engine_cores`); threads it starts inherit both. A thread
-    pool's initializer; never raises."""
-    engine_cores.confine_this_thread()
+    """Lower the calling thread's CPU priority to `BACKGROUND_NICE` (Linux sets priority per thread);
+    threads it starts inherit it. A thread pool's initializer; never raises."""
     if not BACKGROUND_NICE or not hasattr(os, "setpriority"):
         return
     try:

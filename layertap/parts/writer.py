@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from layertap import engine_cores, faults
+from layertap import faults
 from layertap.parts import allocators, background
 from layertap.parts.bfloat16 import Widener, is_bfloat16, to_float32
 from layertap.file_modes import create_file, make_dirs
@@ -235,7 +235,6 @@ def write_part(
 MIN_FILE_BYTES = 32_000_000
 
 _POOL: ThreadPoolExecutor | None = None
-_POOL_CPUS: frozenset[int] | None = None  # the host CPUs `engine_cores` gave when the pool was made
 _POOL_LOCK = threading.Lock()
 _THREADS: int | None = None  # set by `limit_encoder_threads`
 
@@ -252,13 +251,9 @@ def limit_encoder_threads(count: int) -> None:
 
 def encoder_threads() -> int:
     """Files encoded at once in this process, across all batches: one per core it may run on (Arrow's
-    encoder holds no GIL) and the engine's processes keep no cores of (`engine_cores`), or the share
-    `limit_encoder_threads` set."""
+    encoder holds no GIL), or the share `limit_encoder_threads` set."""
     if _THREADS is not None:
         return _THREADS
-    host = engine_cores.host_cpus()
-    if host is not None:
-        return len(host)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # no affinity API on this platform
@@ -267,16 +262,11 @@ def encoder_threads() -> int:
 
 def _encoders() -> ThreadPoolExecutor:
     """One pool for the process, so batches written at once share the cores instead of oversubscribing them;
-    made with the process's large blocks mapped and unmapped each time (`allocators`), and made again when
-    an engine process starts keeping cores of its own."""
-    global _POOL, _POOL_CPUS
+    made with the process's large blocks mapped and unmapped each time (`allocators`)."""
+    global _POOL
     with _POOL_LOCK:
-        if _POOL is not None and _POOL_CPUS != engine_cores.host_cpus():
-            _POOL.shutdown(wait=False)  # its threads finish what they run, then exit
-            _POOL = None
         if _POOL is None:
             allocators.fix_mmap_threshold()
-            _POOL_CPUS = engine_cores.host_cpus()
             _POOL = ThreadPoolExecutor(encoder_threads(), thread_name_prefix="layertap-parquet",
                                        initializer=background.lower_this_thread)
         return _POOL

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from layertap import engine_cores
 from layertap.errors import EngineError
 from layertap.runner.engine_options import EngineOptions
 from layertap.runner.vllm_seam import vllm_is_cpu_build
@@ -166,8 +165,6 @@ def start_runner(options: EngineOptions, engine_dir: str | None = None, idle_tim
     given an idle timeout, a warm engine in `engine_dir` shared with later runs."""
     from layertap.runner import warm_engine
 
-    if not vllm_is_cpu_build() and (idle_timeout is not None or options.runner_in_own_process()):
-        engine_cores.reserve_for_engine()  # the engine's process keeps cores of its own once it is up
     if idle_timeout is not None:
         return warm_engine.attach(options, idle_timeout, engine_dir)
     if not vllm_is_cpu_build():

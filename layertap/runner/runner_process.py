@@ -109,7 +109,7 @@ def serve(conn, options: EngineOptions) -> None:
     """The child's main loop: start the engine, then answer calls until told to close or the caller goes."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from layertap.runner.runner_service import answer_calls, engine_info, settle_after_start, start_failure
+    from layertap.runner.runner_service import answer_calls, engine_info, freeze_startup_heap, start_failure
     from layertap.runner.vllm_runner import VllmRunner
 
     # A process group of its own, which the engine core vLLM starts joins: if this process dies, the caller
@@ -121,7 +121,7 @@ def serve(conn, options: EngineOptions) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the caller, which raises it
         conn.send(start_failure(exc))
         return
-    settle_after_start()
+    freeze_startup_heap()
     conn.send((0, True, engine_info(runner)))
     workers = ThreadPoolExecutor(thread_name_prefix="layertap-call")
     try:

@@ -16,18 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from layertap import engine_cores
-from layertap.errors import EngineError, LayertapError
 from layertap.parts.bfloat16 import is_bfloat16
-from layertap.runner.vllm_seam import vllm_is_cpu_build
-
-
-def settle_after_start() -> None:
-    """What the serving process does once its engine is up: its startup heap frozen, and, on a GPU, the
-    engine's processes on cores of their own (`layertap.engine_cores`)."""
-    freeze_startup_heap()
-    if not vllm_is_cpu_build():  # a CPU engine computes on the cores: it keeps them all
-        engine_cores.keep_engine_cores()
+from layertap.errors import EngineError, LayertapError
 
 
 def freeze_startup_heap() -> None:

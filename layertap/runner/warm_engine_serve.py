@@ -44,7 +44,7 @@ def serve(directory: Path, key: str, engine_lock: int) -> int:
     `engine_lock` (`<key>.engine`, locked by the run that started it) until it has stopped listening."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from layertap.runner.runner_service import answer_calls, engine_info, settle_after_start
+    from layertap.runner.runner_service import answer_calls, engine_info, freeze_startup_heap
     from layertap.runner.vllm_runner import VllmRunner
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
@@ -59,7 +59,7 @@ def serve(directory: Path, key: str, engine_lock: int) -> int:
         raise EngineError(f"{', '.join(changed)} changed before the engine for {spec.options.model} started")
     keep_out_of_forked_children(engine_lock)  # released when this process ends, not its engine core
     runner = VllmRunner(spec.options)
-    settle_after_start()
+    freeze_startup_heap()
     started_at = time.time()
     identity = {**engine_info(runner), **spec.as_json(), "key": key, "pid": os.getpid(), "model": spec.options.model,
                 "started_at": started_at}
