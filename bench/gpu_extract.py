@@ -409,7 +409,7 @@ class ActivityTimeline:
         while True:
             now = self.runner.activity()
             at = round(time.perf_counter() - self._started, 2)
-            self.samples.append([at, now.steps, round(now.stepping_s, 3), round(now.idle_s, 3)])
+            self.samples.append([at, now.steps, round(now.stepping_s, 3), round(now.idle_s, 3), now.in_engine])
             if self.every < 0.5:
                 self.cpu.append({"s": at, **{name: round(v, 2) for name, v in _cpu_seconds().items()}})
             if self._stop.wait(self.every):
@@ -579,7 +579,7 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
                 "task_phase_seconds_summed_over_batches": phases.seconds,
                 "engine_thread": {**_activity_between(activity, engine), "extract_phase_s": summary["extract_seconds"]},
                 "cpu_during_flow_call": cpu, "gpu_utilisation_during_flow_call_pct": gpu.mean,
-                "engine_timeline_t_steps_stepping_idle": timeline.samples,
+                "engine_timeline_t_steps_stepping_idle_in_engine": timeline.samples,
                 "engine_timeline_started_epoch_s": timeline.started_epoch,
                 "engine_timeline_cpu_s": timeline.cpu, "gpu_busy_pct_timeline": gpu.samples,
                 "long_steps": timeline.long_steps(),

@@ -43,17 +43,20 @@ class Extraction:
 class EngineActivity:
     """What the engine thread has done since the engine started: engine steps taken and the seconds spent in
     them, and the seconds it waited with no prompt to compute. Idle time during a run means the engine
-    waited for the caller (the host's work on earlier batches), not the other way round."""
+    waited for the caller (the host's work on earlier batches), not the other way round. `in_engine` is a
+    reading, not a count: the prompts handed to vLLM and not yet finished; when it falls below a step's worth
+    the engine runs short steps."""
 
     steps: int = 0
     stepping_s: float = 0.0
     idle_s: float = 0.0
+    in_engine: int = 0
 
     def since(self, earlier: EngineActivity | None) -> EngineActivity:
         """What the engine thread did between `earlier` (None: the engine's start) and this reading."""
         earlier = earlier or EngineActivity()
         return EngineActivity(self.steps - earlier.steps, self.stepping_s - earlier.stepping_s,
-                              self.idle_s - earlier.idle_s)
+                              self.idle_s - earlier.idle_s, self.in_engine)
 
 
 class Runner(Protocol):

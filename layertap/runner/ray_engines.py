@@ -294,7 +294,7 @@ class RayEngines:
                 continue
             if one is not None:
                 total = EngineActivity(total.steps + one.steps, total.stepping_s + one.stepping_s,
-                                       total.idle_s + one.idle_s)
+                                       total.idle_s + one.idle_s, total.in_engine + one.in_engine)
         return total
 
     def healthy(self) -> bool:

@@ -303,6 +303,7 @@ class VllmRunner:
         job.slots = [None] * job.remaining
         for request in job.requests:
             vllm_seam.add_prepared(self.llm, request)
+        self._activity.in_engine += len(job.requests)  # one writer, the engine thread: no lock needed
         job.requests = []  # vLLM holds them now
 
     def _deliver(self, output: vllm_seam.Finished, active: dict[str, _Job]) -> None:
@@ -315,6 +316,7 @@ class VllmRunner:
             raise EngineError(f"vLLM output {output.request_id} does not belong to prompt {i} of its batch")
         job.slots[i] = output.row
         job.remaining -= 1
+        self._activity.in_engine -= 1
         if job.remaining == 0:
             del active[key]
             job.future.set_result(None)

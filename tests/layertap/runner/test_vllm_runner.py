@@ -131,6 +131,23 @@ def test_the_engine_thread_counts_its_steps_and_the_time_it_waited_for_work(engi
     assert after.idle_s - before.idle_s >= 0.25
 
 
+def test_the_engine_thread_tells_how_many_prompts_vllm_holds_unfinished(engines):
+    """Read while a batch runs, the count rises to at most the batch's prompts; once it is back, none."""
+    import threading
+
+    runner = engines("llama")
+    prompts = varied_prompts(64, seed=5)
+    seen, done = [], threading.Event()
+    batch = threading.Thread(target=lambda: (runner.extract(prompts, [4], "last").release(), done.set()))
+    batch.start()
+    while not done.is_set():
+        seen.append(runner.activity().in_engine)
+        time.sleep(0.001)
+    batch.join()
+    assert 0 < max(seen) <= len(prompts)
+    assert runner.activity().in_engine == 0
+
+
 def test_reserved_host_buffers_are_mapped_by_the_worker_before_any_batch_uses_them(engines):
     """Page-locking a buffer inside an engine step would stall it: reserving maps them up front."""
     import os
