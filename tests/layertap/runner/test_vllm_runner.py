@@ -137,10 +137,10 @@ def test_the_engine_thread_tells_how_many_prompts_vllm_holds_unfinished(engines)
 
     runner = engines("llama")
     prompts = varied_prompts(64, seed=5)
-    seen, done = [], threading.Event()
-    batch = threading.Thread(target=lambda: (runner.extract(prompts, [4], "last").release(), done.set()))
+    seen = []
+    batch = threading.Thread(target=lambda: runner.extract(prompts, [4], "last").release())
     batch.start()
-    while not done.is_set():
+    while batch.is_alive():
         seen.append(runner.activity().in_engine)
         time.sleep(0.001)
     batch.join()
