@@ -114,6 +114,7 @@ class _Engine:
     done: int = 0
     deaths: int = 0
     dead: bool = False
+    gone_pid: int | None = None  # the process of the instance that went down: its answers do not count
 
     def name(self) -> str:
         where = f" on {self.report['host']}" if isinstance(self.report, dict) else ""
@@ -174,16 +175,20 @@ class RayEngines:
                 return
             try:
                 report = ray.get(engine.probe)
-                break
             except ray.exceptions.ActorUnavailableError:
-                engine.probe = engine.handle.ready.remote()  # still restarting: ask again
-                if not wait:
-                    return
-                time.sleep(0.5)
+                report = None  # still restarting
             except ray.exceptions.RayActorError as exc:
                 engine.dead, engine.probe, engine.report = True, None, _cause_text(exc)
                 log.warning("ray: engine %d is gone: %s", engine.index, engine.report)
                 return
+            # An answer from the instance that went down does not count either: an actor serves calls
+            # beside a hung batch, so a probe sent as it is killed can reach it before the kill lands.
+            if report is not None and report.get("pid") != engine.gone_pid:
+                break
+            engine.probe = engine.handle.ready.remote()  # ask again
+            if not wait:
+                return
+            time.sleep(0.5)
         engine.probe = None
         wrong = {name: (report.get(name), want) for name, want in self.expected.items() if report.get(name) != want}
         if wrong:
@@ -199,6 +204,7 @@ class RayEngines:
         """The engine died (or was killed): Ray restarts it; it takes batches again once it answers."""
         with self._lock:
             engine.deaths += 1
+            engine.gone_pid = engine.report.get("pid") if isinstance(engine.report, dict) else None
             if not engine.dead and engine.probe is None:
                 engine.probe = engine.handle.ready.remote()
                 log.warning("ray: engine %s went down (%d time%s); Ray restarts it at most %d times",

@@ -134,6 +134,27 @@ def test_an_engine_killed_once_mid_batch(run, engines, tmp_path, monkeypatch):
     assert Store(tmp_path / "store").embeddings(layer=-1).num_rows == len(texts)
 
 
+def test_a_probe_answered_by_the_instance_going_down_does_not_bring_its_engine_back(engines, tiny_model):
+    """A hung engine is killed and probed at once; the instance being killed can answer before the kill lands
+    (an actor serves calls beside the hung batch). Its answer must not mark the engine up, or the batch's
+    retry goes to the engine that is restarting. Here the kill never lands, so every answer is the old one."""
+    import ray
+
+    ray_engines = engine_cache.get_runner(load_settings(env_file=None, model=tiny_model, **RAY))
+    engine = ray_engines.engines[0]
+    ray_engines._settle(engine, wait=True)
+    alive = engine.report["pid"]
+    ray_engines._restarting(engine)
+    try:
+        ray.wait([engine.probe])
+        ray_engines._settle(engine, wait=False)
+        assert engine.probe is not None and not engine.dead  # asked again: still taken as restarting
+    finally:
+        engine.gone_pid, engine.deaths = None, engine.deaths - 1
+        ray_engines._settle(engine, wait=True)
+    assert engine.probe is None and engine.report["pid"] == alive
+
+
 def test_a_hung_batch_times_out_and_is_retried_on_another_engine(run, engines, tmp_path, monkeypatch):
     marker = tmp_path / "hung"
     monkeypatch.setenv(faults.ENV, f"extract:hangonce={marker}")
@@ -175,7 +196,7 @@ def test_an_engine_serving_another_model_is_refused(engines):
     pool = engines()
     engine = next(e for e in pool.engines if not e.dead)
     if engine.probe is None:
-        pool._restarting(engine)  # ask it again, as after a restart
+        engine.probe = engine.handle.ready.remote()  # ask it again, as once it has restarted
     expected = pool.expected
     pool.expected = {**expected, "fingerprint": "0" * 64}  # the fault: the flow's model changed meanwhile
     try:
