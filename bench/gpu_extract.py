@@ -172,7 +172,10 @@ def session_vllm_plain(model_dir: str):
     started = {"startup_s": startup, **vllm_seam.engine_config(llm)}
 
     def measure(prompt_sets: list[list[str]]) -> dict:
-        return {**_passes(run, prompt_sets), "last_pass_engine_thread": dict(steps)}
+        with PySpy(f"vllm_plain-{len(prompt_sets[-1])}") as profile:
+            timing = _passes(run, prompt_sets)
+        return {**timing, "last_pass_engine_thread": dict(steps),
+                **({"pyspy_all_passes": profile.summary} if profile.summary else {})}
 
     return started, measure
 
@@ -359,6 +362,45 @@ class GpuBusy:
             self._stop.set()
             self._thread.join()
             self.mean = round(sum(self.samples) / len(self.samples), 1) if self.samples else None
+
+
+class PySpy:
+    """py-spy sampling this process and every process under it (the runner, vLLM's engine core, Prefect's
+    server) while a block runs: native frames, thread names, running threads only, as raw collapsed stacks
+    in `<BENCH_PYSPY_DIR>/pyspy-<name>.txt`; `summary` is `pyspy_summary.summarise` of them. Off unless
+    `BENCH_PYSPY` names the py-spy binary. Each sample pauses the process it reads: a profiled run is
+    slower than an unprofiled one, so its timings are not the mode's."""
+
+    def __init__(self, name: str):
+        self.name, self.binary, self.summary = name, os.environ.get("BENCH_PYSPY"), None
+        self.rate = float(os.environ.get("BENCH_PYSPY_RATE", "50"))
+
+    def __enter__(self):
+        if not self.binary:
+            return self
+        folder = Path(os.environ.get("BENCH_PYSPY_DIR") or tempfile.gettempdir())
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"pyspy-{self.name}.txt"
+        self._proc = subprocess.Popen(
+            [self.binary, "record", "--pid", str(os.getpid()), "--subprocesses", "--native", "--threads",
+             "--rate", str(int(self.rate)), "--format", "raw", "--output", str(self.path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(2.0)  # attached to every process before the block starts
+        return self
+
+    def __exit__(self, *exc):
+        if not self.binary:
+            return
+        self._proc.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+        try:
+            _, errors = self._proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            _, errors = self._proc.communicate()
+        from pyspy_summary import summarise
+
+        self.summary = (summarise(self.path, self.rate) if self.path.exists()
+                        else {"error": f"py-spy wrote nothing: {errors[-2000:]}"})
 
 
 def gc_pauses(since: float, until: float, runner_pid: int | None = None) -> dict:
@@ -551,8 +593,8 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
         activity = runner.activity()
         cpu_before = _cpu_seconds()
         store = work / "store"
-        with RssSampler() as rss, PhaseTimes() as phases, ActivityTimeline(runner, TIMELINE_EVERY) as timeline, \
-                GpuBusy() as gpu:
+        with PySpy(f"layertap-{len(prompts)}") as profile, RssSampler() as rss, PhaseTimes() as phases, \
+                ActivityTimeline(runner, TIMELINE_EVERY) as timeline, GpuBusy() as gpu:
             start, start_epoch = time.perf_counter(), time.time()
             summary = embed_flow(input=[str(data[-1])], store=str(store), **settings)
             flow_call = time.perf_counter() - start  # the flow's own seconds plus Prefect's start and exit
@@ -594,7 +636,8 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
                 "peak_pss_of_process_tree_during_run_gib": rss.tree_peak,
                 "tree_pss_timeline_gib": rss.tree_timeline,
                 "peak_rss_reading_last_layer_back_gib": read_rss.peak,
-                "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+                "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                **({"pyspy_during_flow_call": profile.summary} if profile.summary else {})}
 
     return started, measure
 
