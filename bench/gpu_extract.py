@@ -242,17 +242,27 @@ def _tree_pss_gib() -> dict[str, float]:
     """Proportional set size of this process and each process under it, keyed "name pid" ("self" for this
     one), and their total: shared pages (the host buffers both the flow and the engine core map) are
     split between the processes that map them, so the total counts each page once, unlike summed RSS."""
+    found = {name: parts["pss"] for name, parts in _tree_pss_parts_gib().items()}
+    found["total"] = round(sum(found.values()), 3)
+    return found
+
+
+def _tree_pss_parts_gib() -> dict[str, dict[str, float]]:
+    """Per process of the tree (as `_tree_pss_gib` names them; a profiler's own process left out), its PSS
+    and the anonymous, file-backed and shared-memory parts of it."""
+    wanted = {"Pss:": "pss", "Pss_Anon:": "anon", "Pss_File:": "file", "Pss_Shmem:": "shmem"}
     found = {}
     for pid in [os.getpid(), *_descendants(os.getpid())]:
         try:
             with open(f"/proc/{pid}/comm") as comm:
-                name = "self" if pid == os.getpid() else f"{comm.read().strip()} {pid}"
+                name = comm.read().strip()
             with open(f"/proc/{pid}/smaps_rollup") as rollup:
-                pss = next(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))
-        except (OSError, StopIteration):
+                parts = {wanted[line.split()[0]]: round(int(line.split()[1]) / 2**20, 3)
+                         for line in rollup if line.split()[:1] and line.split()[0] in wanted}
+        except (OSError, IndexError, ValueError):
             continue
-        found[name] = round(pss / 2**20, 3)
-    found["total"] = round(sum(found.values()), 3)
+        if name != "py-spy" and "pss" in parts:
+            found["self" if pid == os.getpid() else f"{name} {pid}"] = parts
     return found
 
 
@@ -598,6 +608,7 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
             start, start_epoch = time.perf_counter(), time.time()
             summary = embed_flow(input=[str(data[-1])], store=str(store), **settings)
             flow_call = time.perf_counter() - start  # the flow's own seconds plus Prefect's start and exit
+            tree_at_end = _tree_pss_parts_gib()
         cpu = _cpu_used(cpu_before, _cpu_seconds(), flow_call)
         engine = runner.activity()
         with RssSampler() as read_rss:  # reading a whole layer back holds it in memory: sampled apart
@@ -634,7 +645,7 @@ def session_layertap(model_dir: str, engine_process: bool | None = None, runner_
                 "memory_before_run_gib": memory_before, "memory_at_peak_during_run_gib": rss.at_peak,
                 "memory_timeline_gib": rss.timeline,
                 "peak_pss_of_process_tree_during_run_gib": rss.tree_peak,
-                "tree_pss_timeline_gib": rss.tree_timeline,
+                "tree_pss_timeline_gib": rss.tree_timeline, "tree_pss_parts_at_end_gib": tree_at_end,
                 "peak_rss_reading_last_layer_back_gib": read_rss.peak,
                 "peak_rss_since_process_start_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 **({"pyspy_during_flow_call": profile.summary} if profile.summary else {})}
