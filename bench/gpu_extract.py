@@ -732,10 +732,12 @@ def session_layertap_runner(model_dir: str, engine_process: bool | None = None):
 
     def measure(prompt_sets: list[list[str]]) -> dict:
         activity = runner.activity()
-        timing = _passes(run, prompt_sets)
+        with PySpy(f"layertap_runner-{len(prompt_sets[-1])}") as profile:
+            timing = _passes(run, prompt_sets)
         timing["engine_thread_all_passes"] = _activity_between(activity, runner.activity())
         return {**timing, "capture_buffer_bytes": runner.capture_buffer_bytes,
-                "host_buffers_allocated": runner.host_buffers_allocated}
+                "host_buffers_allocated": runner.host_buffers_allocated,
+                **({"pyspy_all_passes": profile.summary} if profile.summary else {})}
 
     from layertap.runner import vllm_seam
 
