@@ -1148,8 +1148,9 @@ def main() -> None:
             # Its own process group, so a mode that runs out of time takes its engine processes with it
             # (an engine left behind would hold the GPU's memory and fail every later mode).
             env = dict(os.environ)
-            if env.get("BENCH_GC_TRACE"):  # every process of the mode logs its long garbage-collector passes
-                Path(env["BENCH_GC_TRACE"]).mkdir(parents=True, exist_ok=True)
+            if env.get("BENCH_GC_TRACE") or env.get("BENCH_POOL_MASK"):  # every process of the mode: see there
+                if env.get("BENCH_GC_TRACE"):  # logs its long garbage-collector passes
+                    Path(env["BENCH_GC_TRACE"]).mkdir(parents=True, exist_ok=True)
                 env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent / "gc_trace"),
                                                                   env.get("PYTHONPATH")]))
             proc = subprocess.Popen(
