@@ -53,6 +53,7 @@ def summarise(path: str | Path, rate: float = 50.0, top: int = 30) -> dict:
     """Per process: busy seconds, and the top threads, innermost Python functions, innermost frames and
     inclusive Python functions by seconds."""
     counters: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
+    by_thread: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))  # innermost Python
     for line in Path(path).read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
@@ -68,27 +69,27 @@ def summarise(path: str | Path, rate: float = 50.0, top: int = 30) -> dict:
             frames = frames[1:]
         named = [_frame(f) for f in frames]
         python = [name for name, is_python in named if is_python]
+        innermost = python[-1] if python else "(no Python frame)"
         of = counters[process]
-        of["total"]["samples"] += samples
         of["threads"][thread] += samples
-        of["innermost_python"][python[-1] if python else "(no Python frame)"] += samples
+        of["innermost_python"][innermost] += samples
         of["innermost_frame"][named[-1][0] if named else "(empty)"] += samples
         for name in set(python):
             of["inclusive_python"][name] += samples
-        of[f"thread {thread}"][python[-1] if python else "(no Python frame)"] += samples
+        by_thread[process][thread][innermost] += samples
 
     def seconds(counter: Counter, n: int = top) -> list[list]:
         return [[name, round(samples / rate, 2)] for name, samples in counter.most_common(n)]
 
     report = {}
-    for process, of in sorted(counters.items(), key=lambda item: -item[1]["total"]["samples"]):
+    for process, of in sorted(counters.items(), key=lambda item: -item[1]["threads"].total()):
         report[process] = {
-            "busy_s": round(of["total"]["samples"] / rate, 2),
+            "busy_s": round(of["threads"].total() / rate, 2),
             "threads": seconds(of["threads"]),
             "innermost_python": seconds(of["innermost_python"]),
             "innermost_frame": seconds(of["innermost_frame"]),
             "inclusive_python": seconds(of["inclusive_python"]),
-            "innermost_python_by_thread": {thread: seconds(of[f"thread {thread}"], 12)
+            "innermost_python_by_thread": {thread: seconds(by_thread[process][thread], 12)
                                            for thread, _ in of["threads"].most_common(6)},
         }
     return report
